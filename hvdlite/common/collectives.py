@@ -1,0 +1,263 @@
+"""Each collective, written once: run one (possibly fused) response on a process set's communicator.
+
+Frontends never get here directly; the engine's background thread calls `execute` in the order the
+coordinator decided. Inputs may live on any device; transports that want CPU buffers get them
+through the fusion buffer.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .messages import (ADASUM_OP, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BROADCAST,
+                       REDUCESCATTER, SUM, Response)
+
+DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
+          "int64": torch.int64, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float32": torch.float32, "float64": torch.float64, "bool": torch.bool}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class FusionBuffer:
+    """One persistent byte buffer per device, grown on demand and reused every step."""
+
+    def __init__(self):
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, nbytes: int, device: str = "cpu") -> torch.Tensor:
+        buf = self._bufs.get(device)
+        if buf is None or buf.numel() < nbytes:
+            size = max(nbytes, 1 << 16)
+            if buf is not None:
+                size = max(size, int(buf.numel() * 1.5))
+            size = (size + 63) // 64 * 64
+            buf = self._bufs[device] = torch.empty(size, dtype=torch.uint8, device=device)
+        return buf[:nbytes]
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def scale_(t: torch.Tensor, factor: float) -> None:
+    """In-place multiply that also works for integer tensors (truncating, as Horovod does)."""
+    if factor == 1.0:
+        return
+    if t.is_floating_point():
+        t.mul_(factor)
+    else:
+        t.copy_((t.to(torch.float64) * factor).to(t.dtype))
+
+
+def _on(comm, t: torch.Tensor) -> bool:
+    return t.device.type == comm.device
+
+
+class Executor:
+    """Runs responses for one rank; holds the fusion buffer and the timeline."""
+
+    def __init__(self, timeline=None):
+        self.fusion = FusionBuffer()
+        self.timeline = timeline
+
+    def _tl(self, names, label):
+        if self.timeline is not None and self.timeline.enabled:
+            self.timeline.activity_end(names)
+            self.timeline.activity(names, label)
+
+    # ------------------------------------------------------------------ allreduce
+    def allreduce(self, comm, resp: Response, inputs: list, outputs: list) -> None:
+        dtype = DTYPES[resp.dtype]
+        op = SUM if resp.reduce_op in (AVERAGE, ADASUM_OP) else resp.reduce_op
+        post = resp.postscale / comm.size if resp.reduce_op == AVERAGE else resp.postscale
+        names = resp.names
+        if len(inputs) == 1 and outputs[0] is not None and _on(comm, outputs[0]):
+            out, src = outputs[0], inputs[0]
+            if src is not out:
+                out.copy_(src)
+            scale_(out, resp.prescale)
+            self._tl(names, "ALLREDUCE")
+            comm.allreduce(out, op)
+            scale_(out, post)
+            return
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        counts = [math.prod(s) for s in resp.shapes]
+        buf = self.fusion.get(sum(counts) * itemsize, comm.device).view(dtype)
+        self._tl(names, "MEMCPY_IN_FUSION_BUFFER")
+        offset = 0
+        for src, n in zip(inputs, counts):
+            part = buf[offset:offset + n]
+            if src is None:
+                part.zero_()
+            else:
+                part.copy_(src.reshape(-1))
+            offset += n
+        scale_(buf, resp.prescale)
+        self._tl(names, "ALLREDUCE")
+        comm.allreduce(buf, op)
+        scale_(buf, post)
+        self._tl(names, "MEMCPY_OUT_FUSION_BUFFER")
+        offset = 0
+        for out, n in zip(outputs, counts):
+            if out is not None:
+                out.copy_(buf[offset:offset + n].view(out.shape))
+            offset += n
+
+    # ------------------------------------------------------------------ reducescatter
+    @staticmethod
+    def split_rows(dim0: int, size: int) -> list[int]:
+        """Horovod's split of the first dimension: the first dim0 % size ranks get one row more."""
+        return [dim0 // size + (1 if i < dim0 % size else 0) for i in range(size)]
+
+    def reducescatter(self, comm, resp: Response, inputs: list) -> list[torch.Tensor]:
+        dtype = DTYPES[resp.dtype]
+        size, me = comm.size, comm.rank
+        op = SUM if resp.reduce_op == AVERAGE else resp.reduce_op
+        post = resp.postscale / size if resp.reduce_op == AVERAGE else resp.postscale
+        rows = [self.split_rows(s[0], size) if s else [0] * size for s in resp.shapes]
+        row_elems = [math.prod(s[1:]) for s in resp.shapes]
+        seg = [sum(rows[t][r] * row_elems[t] for t in range(len(inputs))) for r in range(size)]
+        seg_max = max(seg) if seg else 0
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        buf = self.fusion.get(seg_max * (size + 1) * itemsize, comm.device).view(dtype)
+        send, recv = buf[:seg_max * size], buf[seg_max * size:]
+        self._tl(resp.names, "MEMCPY_IN_FUSION_BUFFER")
+        send.zero_()
+        for t, src in enumerate(inputs):
+            flat = src.reshape(-1)
+            start_row = 0
+            for r in range(size):
+                off = r * seg_max + sum(rows[u][r] * row_elems[u] for u in range(t))
+                n = rows[t][r] * row_elems[t]
+                send[off:off + n].copy_(flat[start_row * row_elems[t]:start_row * row_elems[t] + n])
+                start_row += rows[t][r]
+        scale_(send, resp.prescale)
+        self._tl(resp.names, "REDUCESCATTER")
+        comm.reducescatter(recv, [send[r * seg_max:(r + 1) * seg_max] for r in range(size)], op)
+        scale_(recv, post)
+        self._tl(resp.names, "MEMCPY_OUT_FUSION_BUFFER")
+        outs, off = [], 0
+        for t, src in enumerate(inputs):
+            n = rows[t][me] * row_elems[t]
+            shape = (rows[t][me],) + tuple(resp.shapes[t][1:])
+            outs.append(recv[off:off + n].reshape(shape).to(src.device, copy=True))
+            off += n
+        return outs
+
+    # ------------------------------------------------------------------ allgather
+    def allgather(self, comm, resp: Response, inputs: list) -> list[torch.Tensor]:
+        dtype = DTYPES[resp.dtype]
+        size, me = comm.size, comm.rank
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        row_bytes = [math.prod(s[1:]) * itemsize for s in resp.shapes]
+        dims = resp.rank_dims
+        outs = [torch.empty((sum(dims[t]),) + tuple(resp.shapes[t][1:]), dtype=dtype,
+                            device=inputs[t].device) for t in range(len(inputs))]
+        if (len(inputs) == 1 and len(set(dims[0])) == 1 and _on(comm, inputs[0])):
+            self._tl(resp.names, "ALLGATHER")
+            comm.allgather(as_bytes(outs[0]), as_bytes(inputs[0].contiguous()))
+            return outs
+        contrib = [sum(dims[t][r] * row_bytes[t] for t in range(len(inputs))) for r in range(size)]
+        seg = max(contrib)
+        buf = self.fusion.get(seg * (size + 1), comm.device)
+        send, recv = buf[:seg], buf[seg:]
+        self._tl(resp.names, "MEMCPY_IN_FUSION_BUFFER")
+        off = 0
+        for src in inputs:
+            b = as_bytes(src.contiguous())
+            send[off:off + b.numel()].copy_(b)
+            off += b.numel()
+        self._tl(resp.names, "ALLGATHER")
+        comm.allgather(recv, send)
+        self._tl(resp.names, "MEMCPY_OUT_FUSION_BUFFER")
+        for t, out in enumerate(outs):
+            ob = as_bytes(out)
+            out_off = 0
+            for r in range(size):
+                in_off = r * seg + sum(dims[u][r] * row_bytes[u] for u in range(t))
+                n = dims[t][r] * row_bytes[t]
+                ob[out_off:out_off + n].copy_(recv[in_off:in_off + n])
+                out_off += n
+        return outs
+
+    # ------------------------------------------------------------------ broadcast
+    def broadcast(self, comm, resp: Response, inputs: list, outputs: list) -> None:
+        root = resp.root_rank
+        if len(inputs) == 1 and _on(comm, outputs[0]):
+            out = outputs[0]
+            if comm.rank == root and inputs[0] is not out:
+                out.copy_(inputs[0])
+            self._tl(resp.names, "BROADCAST")
+            comm.broadcast(as_bytes(out), root)
+            return
+        sizes = [as_bytes(o).numel() for o in outputs]
+        buf = self.fusion.get(sum(sizes), comm.device)
+        if comm.rank == root:
+            self._tl(resp.names, "MEMCPY_IN_FUSION_BUFFER")
+            off = 0
+            for src, n in zip(inputs, sizes):
+                buf[off:off + n].copy_(as_bytes(src.contiguous()))
+                off += n
+        self._tl(resp.names, "BROADCAST")
+        comm.broadcast(buf, root)
+        self._tl(resp.names, "MEMCPY_OUT_FUSION_BUFFER")
+        off = 0
+        for out, n in zip(outputs, sizes):
+            as_bytes(out).copy_(buf[off:off + n])
+            off += n
+
+    # ------------------------------------------------------------------ alltoall
+    def alltoall(self, comm, resp: Response, src: torch.Tensor):
+        dtype = DTYPES[resp.dtype]
+        matrix = resp.splits[0]
+        me = comm.rank
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        row = math.prod(resp.shapes[0][1:]) * itemsize
+        send_rows = matrix[me]
+        recv_rows = [matrix[j][me] for j in range(comm.size)]
+        out = torch.empty((sum(recv_rows),) + tuple(src.shape[1:]), dtype=dtype)
+        inp = src.contiguous()
+        if not _on(comm, inp):
+            inp = inp.to(comm.device)
+        self._tl(resp.names, "ALLTOALL")
+        comm.alltoall(as_bytes(out), as_bytes(inp), [r * row for r in recv_rows],
+                      [r * row for r in send_rows])
+        return out.to(src.device), torch.tensor(recv_rows, dtype=torch.int32)
+
+
+def run(executor: Executor, comm, resp: Response, entries: list) -> None:
+    """Execute `resp` on `comm`; store each entry's result (entries[i] may be None when this
+    rank has joined and contributes zeros)."""
+    t = resp.type
+    inputs = [e.tensor if e is not None else None for e in entries]
+    if t in (ALLREDUCE, ADASUM_OP):
+        dtype = DTYPES[resp.dtype]
+        outputs = [e.output if e is not None else None for e in entries]
+        if any(i is None for i in inputs):
+            # A joined rank contributes zeros of the agreed shape.
+            inputs = [i if i is not None else torch.zeros(s, dtype=dtype)
+                      for i, s in zip(inputs, resp.shapes)]
+        executor.allreduce(comm, resp, inputs, outputs)
+        for e in entries:
+            if e is not None:
+                e.result = e.output
+    elif t == ALLGATHER:
+        outs = executor.allgather(comm, resp, inputs)
+        for e, o in zip(entries, outs):
+            e.result = o
+    elif t == BROADCAST:
+        outputs = [e.output for e in entries]
+        executor.broadcast(comm, resp, inputs, outputs)
+        for e in entries:
+            e.result = e.output
+    elif t == REDUCESCATTER:
+        outs = executor.reducescatter(comm, resp, inputs)
+        for e, o in zip(entries, outs):
+            e.result = o
+    elif t == ALLTOALL:
+        out, splits = executor.alltoall(comm, resp, inputs[0])
+        entries[0].result = out
+        entries[0].extra = splits
+    else:
+        raise ValueError(f"unknown collective type {t}")

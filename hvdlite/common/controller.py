@@ -1,0 +1,597 @@
+"""The coordinator: one thread in rank 0's process that every rank (rank 0 included) talks to.
+
+It does Horovod's negotiation for every process set: collects requests by name, validates them
+across ranks (negotiation.py), releases cached tensors by a bit-vector AND (response_cache.py), fuses
+(fusion.py) and sends one ordered response stream. Because one coordinator orders the responses of
+all process sets, every rank executes its collectives in one global order, so overlapping process
+sets cannot deadlock. The event-driven loop answers as soon as a tensor is ready on every rank
+instead of waiting for the next cycle.
+"""
+from __future__ import annotations
+
+import logging
+import selectors
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .config import Settings
+from .fusion import fuse_responses
+from .messages import (ADD_PROCESS_SET, CACHEABLE_TYPES, ERROR, JOIN, REMOVE_PROCESS_SET,
+                       TYPE_NAMES, Request, Response)
+from .negotiation import construct_response
+from .response_cache import CoordinatorCache
+from .stall import StallInspector
+from .wire import Channel, ProtocolError
+
+log = logging.getLogger("hvdlite")
+
+
+@dataclass
+class SetState:
+    """Negotiation state of one process set."""
+
+    id: int
+    ranks: list                                   # set rank -> global rank
+    cache: CoordinatorCache
+    table: dict = field(default_factory=dict)     # name -> {set rank: Request}
+    first_seen: dict = field(default_factory=dict)
+    pending_bits: list = field(default_factory=list)
+    bit_seen: dict = field(default_factory=dict)  # bit -> first time a rank hit it
+    joined: set = field(default_factory=set)
+    last_joined: int = -1
+    groups: dict = field(default_factory=dict)    # group -> [Response] released together
+    gone: set = field(default_factory=set)        # set ranks that shut down
+
+    def __post_init__(self):
+        self.index = {g: i for i, g in enumerate(self.ranks)}
+        self.pending_bits = [0] * len(self.ranks)
+
+
+@dataclass
+class _Peer:
+    channel: Channel
+    rank: int = -1
+    hostname: str = ""
+    pid: int = 0
+    hello: dict | None = None
+
+
+class Coordinator:
+    """Serves negotiation for one job generation; started by rank 0's `init()`."""
+
+    def __init__(self, size: int, key: bytes, settings: Settings, timeline=None,
+                 bind_host: str = "0.0.0.0"):
+        self.size = size
+        self.key = key
+        self.settings = settings
+        self.timeline = timeline
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind((bind_host, 0))
+        self.listener.listen(max(128, size))
+        self.port = self.listener.getsockname()[1]
+        self.sel = selectors.DefaultSelector()
+        self.peers: dict[int, _Peer] = {}          # global rank -> peer
+        self.sets: dict[int, SetState] = {}
+        self.next_set_id = 1
+        self.dynamic = False
+        self.stall = StallInspector(settings)
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self.thread = threading.Thread(target=self._run, name="hvdlite-coordinator", daemon=True)
+        self.fatal: str | None = None
+        self._fatal_sent = False
+        self._shut_down_ranks: set[int] = set()
+        self._evicted: list = []                    # (set, bits) retired while releasing
+        self._fresh: set[tuple[int, int]] = set()   # (set id, bit) announced in this round
+        self._group_sizes: dict[tuple[int, str], int] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, reason: str | None = None) -> None:
+        if reason and self.fatal is None:
+            self.fatal = reason
+        self._stop.set()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout=10)
+
+    def _run(self) -> None:
+        try:
+            if self._handshake():
+                self._serve()
+        except Exception as exc:  # a bug here must not leave ranks waiting forever
+            log.exception("hvdlite coordinator failed")
+            self._broadcast_fatal(f"the hvdlite coordinator on rank 0 failed: {exc!r}")
+        finally:
+            if self.fatal:
+                self._broadcast_fatal(self.fatal)
+            for peer in list(self.peers.values()):
+                peer.channel.close()
+            self.sel.close()
+            self.listener.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    # ------------------------------------------------------------------ handshake
+    def _handshake(self) -> bool:
+        deadline = time.monotonic() + self.settings.start_timeout_s
+        self.listener.setblocking(False)
+        self.sel.register(self.listener, selectors.EVENT_READ, "listen")
+        self.sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        waiting: dict[int, _Peer] = {}
+        while len(self.peers) < self.size:
+            left = deadline - time.monotonic()
+            if self._stop.is_set():
+                return False
+            if left <= 0:
+                missing = sorted(set(range(self.size)) - set(self.peers))
+                self._fail_handshake(
+                    f"ranks {missing} did not connect to the coordinator on rank 0 within "
+                    f"{self.settings.start_timeout_s:.0f} s (HVDLITE_START_TIMEOUT). Check that "
+                    f"every rank was started, runs the same script and reaches rank 0's host.")
+                return False
+            for key, _ in self.sel.select(timeout=min(left, 1.0)):
+                if key.data == "listen":
+                    try:
+                        conn, _ = self.listener.accept()
+                    except BlockingIOError:
+                        continue
+                    conn.setblocking(True)
+                    peer = _Peer(Channel(conn, self.key))
+                    waiting[conn.fileno()] = peer
+                    self.sel.register(conn, selectors.EVENT_READ, peer)
+                elif key.data == "wake":
+                    self._wake_r.recv(4096)
+                else:
+                    peer = key.data
+                    try:
+                        alive = peer.channel.feed()
+                        msgs = peer.channel.messages() if alive else []
+                    except (OSError, ProtocolError) as exc:
+                        log.warning("hvdlite coordinator: rejected a connection: %s", exc)
+                        alive, msgs = False, []
+                    if not alive:
+                        self.sel.unregister(peer.channel.sock)
+                        waiting.pop(peer.channel.fileno(), None)
+                        peer.channel.close()
+                        continue
+                    for msg in msgs:
+                        error = self._accept_hello(peer, msg)
+                        if error:
+                            self._fail_handshake(error)
+                            return False
+        self._send_topology()
+        return True
+
+    def _accept_hello(self, peer: _Peer, msg) -> str | None:
+        if not (isinstance(msg, tuple) and msg and msg[0] == "H"):
+            return "a rank sent an unexpected first message to the coordinator"
+        hello = msg[1]
+        rank, size = hello["rank"], hello["size"]
+        if size != self.size:
+            return (f"rank {rank} was started with size {size} but rank 0 with size {self.size}; "
+                    f"all ranks must belong to the same job.")
+        if not 0 <= rank < self.size:
+            return f"a rank reported rank {rank}, outside 0..{self.size - 1}"
+        if rank in self.peers:
+            return (f"two processes both claim rank {rank} (pids {self.peers[rank].pid} and "
+                    f"{hello['pid']}); check HOROVOD_RANK/RANK in their environments.")
+        peer.rank, peer.hostname, peer.pid, peer.hello = rank, hello["hostname"], hello["pid"], hello
+        self.peers[rank] = peer
+        return None
+
+    def _fail_handshake(self, message: str) -> None:
+        self.fatal = message
+        self._broadcast_fatal(message)
+
+    def _send_topology(self) -> None:
+        hellos = [self.peers[r].hello for r in range(self.size)]
+        # Process sets registered at init must be the same everywhere.
+        first_sets = hellos[0]["process_sets"]
+        for h in hellos[1:]:
+            if h["process_sets"] != first_sets:
+                self._fail_handshake(
+                    f"init(process_sets=...) differs between ranks: rank 0 passed {first_sets} "
+                    f"but rank {h['rank']} passed {h['process_sets']}. Pass the same list on "
+                    f"every rank.")
+                self._stop.set()
+                return
+        self.dynamic = any(h["dynamic"] for h in hellos)
+        self.sets[0] = SetState(0, list(range(self.size)),
+                                CoordinatorCache(self.settings.cache_capacity))
+        set_ids = []
+        for ranks in first_sets:
+            sid = self.next_set_id
+            self.next_set_id += 1
+            self.sets[sid] = SetState(sid, list(ranks),
+                                      CoordinatorCache(self.settings.cache_capacity))
+            set_ids.append(sid)
+        # Topology: hosts in order of their lowest rank.
+        hosts: dict[str, list[int]] = {}
+        for h in hellos:
+            hosts.setdefault(h["hostname"], []).append(h["rank"])
+        host_order = list(hosts)
+        local_sizes = [len(hosts[name]) for name in host_order]
+        for h in hellos:
+            members = hosts[h["hostname"]]
+            local_rank = members.index(h["rank"])
+            with_slot = [name for name in host_order if len(hosts[name]) > local_rank]
+            topo = {
+                "local_rank": local_rank,
+                "local_size": len(members),
+                "cross_rank": with_slot.index(h["hostname"]),
+                "cross_size": len(with_slot),
+                "homogeneous": len(set(local_sizes)) == 1,
+                "process_set_ids": set_ids,
+                "hosts": {r: self.peers[r].hostname for r in range(self.size)},
+            }
+            self.peers[h["rank"]].channel.send(("T", topo))
+
+    # ------------------------------------------------------------------ main loop
+    def _serve(self) -> None:
+        self.sel.unregister(self.listener)
+        next_check = time.monotonic() + 1.0
+        while not self._stop.is_set():
+            events = self.sel.select(timeout=0.5)
+            out: dict[int, list] = {}
+            for key, _ in events:
+                if key.data == "wake":
+                    self._wake_r.recv(4096)
+                    continue
+                if key.data == "listen":
+                    continue
+                peer = key.data
+                try:
+                    alive = peer.channel.feed()
+                    msgs = peer.channel.messages()
+                except ProtocolError as exc:
+                    log.error("hvdlite coordinator: %s (message dropped, connection closed)", exc)
+                    alive, msgs = False, []
+                except OSError:
+                    alive, msgs = False, []
+                for msg in msgs:
+                    self._handle(peer.rank, msg, out)
+                if not alive:
+                    self._lost(peer, out)
+                if self._stop.is_set():
+                    break
+            self._flush(out)
+            now = time.monotonic()
+            if now >= next_check and not self._stop.is_set():
+                next_check = now + 1.0
+                self._check_stalls(now)
+            if not self.peers:
+                break
+
+    def _lost(self, peer: _Peer, out: dict) -> None:
+        self.sel.unregister(peer.channel.sock)
+        peer.channel.close()
+        self.peers.pop(peer.rank, None)
+        if peer.rank in self._shut_down_ranks:
+            return
+        self._stop_with(
+            f"rank {peer.rank} (host {peer.hostname}, pid {peer.pid}) lost its connection to the "
+            f"coordinator: the process exited or crashed without calling hvd.shutdown(). Its "
+            f"own output says why; every other rank stops with this error.", out)
+
+    def _stop_with(self, message: str, out: dict) -> None:
+        self._flush(out)
+        out.clear()
+        self.fatal = message
+        self._broadcast_fatal(message)
+        self._stop.set()
+
+    def _broadcast_fatal(self, message: str) -> None:
+        if self._fatal_sent:
+            return
+        self._fatal_sent = True
+        for peer in list(self.peers.values()):
+            try:
+                peer.channel.send(("F", message))
+            except OSError:
+                pass
+
+    def _flush(self, out: dict) -> None:
+        for rank, items in out.items():
+            peer = self.peers.get(rank)
+            if peer is None or not items:
+                continue
+            try:
+                peer.channel.send(("R", items))
+            except OSError:
+                pass  # its loss shows up as EOF on the next select
+        out.clear()
+
+    # ------------------------------------------------------------------ messages
+    def _handle(self, rank: int, msg, out: dict) -> None:
+        kind = msg[0]
+        if kind == "Q":
+            _, requests, hits = msg
+            ready: list[tuple[SetState, Response]] = []
+            for req in requests:
+                self._on_request(rank, req, ready, out)
+            for set_id, mask in hits:
+                self._on_hits(rank, set_id, mask, ready, out)
+            self._release(ready, out)
+        elif kind == "S":
+            self._on_shutdown(rank, out)
+        elif kind == "X":
+            self._stop_with(f"rank {rank} failed while running a collective: {msg[1]}", out)
+        elif kind == "TL":
+            if self.timeline is not None:
+                self.timeline.control(*msg[1:])
+
+    def _set_for(self, rank: int, set_id: int, name: str, out: dict) -> SetState | None:
+        s = self.sets.get(set_id)
+        if s is None or rank not in s.index:
+            self._send_error(rank, set_id, [name],
+                             f"rank {rank} submitted tensor '{name}' to process set {set_id}, "
+                             f"which {'does not exist' if s is None else 'it is not a member of'}.",
+                             out)
+            return None
+        return s
+
+    def _send_error(self, rank: int, set_id: int, names: list, message: str, out: dict) -> None:
+        out.setdefault(rank, []).append(("R", Response(type=ERROR, names=list(names),
+                                                       process_set_id=set_id, error=message)))
+
+    def _on_request(self, rank: int, req: Request, ready: list, out: dict) -> None:
+        s = self._set_for(rank, req.process_set_id, req.name, out)
+        if s is None:
+            return
+        idx = s.index[rank]
+        if s.gone:
+            gone = sorted(s.ranks[i] for i in s.gone)
+            self._send_error(rank, s.id, [req.name], self._gone_message(gone, req.name), out)
+            return
+        if req.type == JOIN:
+            self._on_join(s, idx, rank, ready)
+            return
+        entry = s.cache.invalidate(req.name)
+        if entry is not None:
+            # Parameters changed: everyone's pending hit on the old bit becomes a full request.
+            self._announce_evictions(s, [entry.bit], out)
+            s.bit_seen.pop(entry.bit, None)
+            for j in range(len(s.ranks)):
+                if s.pending_bits[j] >> entry.bit & 1:
+                    s.pending_bits[j] &= ~(1 << entry.bit)
+                    self._add_to_table(s, j, entry.requests[j], ready)
+        self._add_to_table(s, idx, req, ready)
+
+    def _add_to_table(self, s: SetState, idx: int, req: Request, ready: list) -> None:
+        reqs = s.table.get(req.name)
+        if reqs is None:
+            reqs = s.table[req.name] = {}
+            s.first_seen[req.name] = time.monotonic()
+            if self.timeline is not None:
+                self.timeline.negotiate_start(req.name, TYPE_NAMES[req.type])
+        reqs[idx] = req
+        if self.timeline is not None:
+            self.timeline.negotiate_rank(req.name, s.ranks[idx])
+        self._check_ready(s, req.name, ready)
+
+    def _check_ready(self, s: SetState, name: str, ready: list) -> None:
+        reqs = s.table[name]
+        if len(reqs) + len(s.joined - set(reqs)) < len(s.ranks):
+            return
+        del s.table[name]
+        s.first_seen.pop(name, None)
+        resp = construct_response(name, reqs, s.ranks, frozenset(s.joined))
+        if self.timeline is not None:
+            self.timeline.negotiate_end(name)
+        if resp.group is not None:
+            self._group_sizes[(s.id, resp.group)] = max(r.group_size for r in reqs.values())
+        if resp.type == ADD_PROCESS_SET:
+            self._add_process_set(resp)
+        elif resp.type == REMOVE_PROCESS_SET:
+            self._remove_process_set(resp)
+        cacheable = (resp.type in CACHEABLE_TYPES and not s.joined and resp.group is None
+                     and self.settings.cache_capacity > 0
+                     and all(r.cacheable for r in reqs.values()))
+        resp.cache_bits = [-1]
+        if cacheable:
+            bit, evicted = s.cache.put(resp, reqs)
+            resp.cache_bits = [bit]
+            self._fresh.add((s.id, bit))
+            if evicted:
+                self._evicted.append((s, evicted))
+        ready.append((s, resp))
+
+    def _on_hits(self, rank: int, set_id: int, mask: int, ready: list, out: dict) -> None:
+        s = self.sets.get(set_id)
+        if s is None or rank not in s.index:
+            return
+        idx = s.index[rank]
+        stale = mask & ~s.cache.valid_mask
+        if stale:
+            # The rank used a bit the coordinator has since retired: treat it as a full request.
+            mask &= s.cache.valid_mask
+            while stale:
+                low = stale & -stale
+                bit = low.bit_length() - 1
+                stale ^= low
+                entry = s.cache.lookup_bit(bit)
+                if entry is None:
+                    self._stop_with(f"internal error: rank {rank} used unknown cache bit {bit} "
+                                    f"in process set {set_id}", out)
+                    return
+                self._add_to_table(s, idx, entry.requests[idx], ready)
+        now = time.monotonic()
+        new = mask & ~s.pending_bits[idx]
+        while new:
+            low = new & -new
+            s.bit_seen.setdefault(low.bit_length() - 1, now)
+            new ^= low
+        s.pending_bits[idx] |= mask
+        self._release_bits(s, ready)
+
+    def _release_bits(self, s: SetState, ready: list) -> None:
+        common = -1
+        active = False
+        for j, bits in enumerate(s.pending_bits):
+            if j not in s.joined:
+                common &= bits
+                active = True
+        if not active or common <= 0:
+            return
+        for j in range(len(s.pending_bits)):
+            s.pending_bits[j] &= ~common
+        joined = tuple(sorted(s.joined))
+        while common:
+            low = common & -common
+            bit = low.bit_length() - 1
+            common ^= low
+            s.bit_seen.pop(bit, None)
+            entry = s.cache.by_bit[bit]
+            s.cache.touch(entry)
+            t = entry.template
+            resp = Response(type=t.type, names=list(t.names), process_set_id=s.id, dtype=t.dtype,
+                            shapes=list(t.shapes), reduce_op=t.reduce_op, prescale=t.prescale,
+                            postscale=t.postscale, root_rank=t.root_rank, device=t.device,
+                            rank_dims=list(t.rank_dims) if t.rank_dims is not None else None,
+                            cache_bits=[bit], joined=joined, group=t.group)
+            ready.append((s, resp))
+
+    def _on_join(self, s: SetState, idx: int, rank: int, ready: list) -> None:
+        s.joined.add(idx)
+        s.last_joined = rank
+        for name in list(s.table):
+            self._check_ready(s, name, ready)
+        if len(s.joined) == len(s.ranks):
+            ready.append((s, Response(type=JOIN, names=["join.noname"], process_set_id=s.id,
+                                      last_joined_rank=s.last_joined)))
+            s.joined.clear()
+            s.last_joined = -1
+        else:
+            self._release_bits(s, ready)
+
+    def _on_shutdown(self, rank: int, out: dict) -> None:
+        self._shut_down_ranks.add(rank)
+        for s in self.sets.values():
+            if rank not in s.index:
+                continue
+            s.gone.add(s.index[rank])
+            names = list(s.table)
+            bits = 0
+            for b in s.pending_bits:
+                bits |= b
+            while bits:
+                low = bits & -bits
+                bits ^= low
+                entry = s.cache.lookup_bit(low.bit_length() - 1)
+                if entry is not None:
+                    names.append(entry.template.names[0])
+            if names:
+                message = self._gone_message([rank], ", ".join(repr(n) for n in names[:6]))
+                for other in s.ranks:
+                    if other != rank:
+                        self._send_error(other, s.id, names, message, out)
+                s.table.clear()
+                s.first_seen.clear()
+                s.pending_bits = [0] * len(s.ranks)
+                s.bit_seen.clear()
+
+    @staticmethod
+    def _gone_message(gone: list, what: str) -> str:
+        return (f"Horovod has been shut down: rank(s) {gone} already called hvd.shutdown() (or "
+                f"finished) while {what} still needed them. This is usually a rank that ran "
+                f"out of data early; use hvd.join() for uneven inputs.")
+
+    # ------------------------------------------------------------------ process sets
+    def _add_process_set(self, resp: Response) -> None:
+        ranks = list(resp.extra)
+        error = None
+        if not self.dynamic:
+            error = ("add_process_set() needs dynamic process sets: call "
+                     "hvd.init(process_sets='dynamic') or set HOROVOD_DYNAMIC_PROCESS_SETS=1.")
+        elif not ranks or sorted(set(ranks)) != ranks or ranks[0] < 0 or ranks[-1] >= self.size:
+            error = (f"add_process_set({ranks}): ranks must be distinct, sorted and within "
+                     f"0..{self.size - 1}.")
+        elif any(s.ranks == ranks for s in self.sets.values()):
+            error = f"add_process_set({ranks}): a process set with these ranks already exists."
+        if error:
+            resp.type, resp.error = ERROR, error
+            return
+        sid = self.next_set_id
+        self.next_set_id += 1
+        self.sets[sid] = SetState(sid, ranks, CoordinatorCache(self.settings.cache_capacity))
+        resp.extra = (sid, tuple(ranks))
+
+    def _remove_process_set(self, resp: Response) -> None:
+        sid = resp.extra
+        s = self.sets.get(sid)
+        error = None
+        if not self.dynamic:
+            error = ("remove_process_set() needs dynamic process sets: call "
+                     "hvd.init(process_sets='dynamic').")
+        elif sid == 0:
+            error = "the global process set cannot be removed."
+        elif s is None:
+            error = f"remove_process_set: process set {sid} does not exist."
+        elif s.table or any(s.pending_bits):
+            error = (f"remove_process_set: process set {sid} still has collectives in flight "
+                     f"({sorted(s.table)[:6]}); synchronize them first.")
+        if error:
+            resp.type, resp.error = ERROR, error
+            return
+        del self.sets[sid]
+
+    # ------------------------------------------------------------------ release
+    def _announce_evictions(self, s: SetState, bits: list, out: dict) -> None:
+        for g in s.ranks:
+            out.setdefault(g, []).append(("E", s.id, list(bits)))
+
+    def _release(self, ready: list, out: dict) -> None:
+        if self._evicted:
+            for s, bits in self._evicted:
+                self._announce_evictions(s, bits, out)
+            self._evicted = []
+        if not ready:
+            return
+        # Hold grouped responses until the whole group is ready.
+        released: list[tuple[SetState, Response]] = []
+        for s, resp in ready:
+            if resp.group is None:
+                released.append((s, resp))
+                continue
+            members = s.groups.setdefault(resp.group, [])
+            members.append(resp)
+            size = self._group_size(s, resp)
+            if len(members) >= size:
+                del s.groups[resp.group]
+                self._group_sizes.pop((s.id, resp.group), None)
+                released.extend((s, m) for m in members)
+        if not released:
+            return
+        by_id = {s.id: s for s, _ in released}
+        fused = fuse_responses([r for _, r in released], self.settings.fusion_threshold,
+                               group_fusion=not self.settings.disable_group_fusion)
+        for resp in fused:
+            s = by_id[resp.process_set_id]
+            bits = resp.cache_bits or []
+            compact = (resp.type in CACHEABLE_TYPES and bits and all(b >= 0 for b in bits)
+                       and not any((s.id, b) in self._fresh for b in bits))
+            item = ("C", s.id, tuple(bits), resp.joined) if compact else ("R", resp)
+            for g in s.ranks:
+                out.setdefault(g, []).append(item)
+        self._fresh.clear()
+
+    def _group_size(self, s: SetState, resp: Response) -> int:
+        return self._group_sizes.get((s.id, resp.group), 1)
+
+    # ------------------------------------------------------------------ stalls
+    def _check_stalls(self, now: float) -> None:
+        if self.settings.stall_check_disable:
+            return
+        fatal = self.stall.check(self.sets, now)
+        if fatal:
+            out: dict = {}
+            self._stop_with(fatal, out)

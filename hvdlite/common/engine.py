@@ -1,0 +1,379 @@
+"""The engine: one background thread per process that turns enqueued requests into collectives.
+
+    frontend --enqueue--> queue --(control socket)--> coordinator --responses--> execute --> handles
+
+The thread sends new requests (or their cache bits) to the coordinator, executes the responses it
+gets back in order on the process set's communicator, and completes handles. Any failure completes
+every pending handle with HorovodInternalError, so no caller waits forever.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from . import collectives
+from .exceptions import HorovodInternalError
+from .messages import (ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, ADASUM_OP, BARRIER,
+                       BROADCAST, ERROR, JOIN, REDUCESCATTER, REMOVE_PROCESS_SET, TYPE_NAMES,
+                       Request, Response)
+from .response_cache import RankCache
+from .wire import Channel, ProtocolError
+
+log = logging.getLogger("hvdlite")
+
+SHUT_DOWN_MESSAGE = ("Horovod has been shut down. This was caused by an exception on one of the "
+                     "ranks or an attempt to allreduce, allgather or broadcast a tensor after one "
+                     "of the ranks finished execution.")
+
+
+class Handle:
+    """Completion of one enqueue call (one or more tensors)."""
+
+    __slots__ = ("_event", "_pending", "entries", "error", "_lock", "callbacks")
+
+    def __init__(self, entries: list):
+        self._event = threading.Event()
+        self._pending = len(entries)
+        self._lock = threading.Lock()
+        self.entries = entries
+        self.error: str | None = None
+        self.callbacks: list[Callable] = []
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def _complete_one(self, error: str | None = None) -> None:
+        with self._lock:
+            if error and self.error is None:
+                self.error = error
+            self._pending -= 1
+            finished = self._pending <= 0
+        if finished and not self._event.is_set():
+            self._event.set()
+
+    def _fail(self, error: str) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = error
+            self._pending = 0
+        self._event.set()
+
+    def wait(self, alive: Callable[[], bool] | None = None) -> list:
+        """Results of every entry, in order; raises HorovodInternalError on failure."""
+        while not self._event.wait(1.0):
+            if alive is not None and not alive():
+                if not self._event.is_set():
+                    raise HorovodInternalError(
+                        "the hvdlite background thread stopped before this collective finished; "
+                        "see the errors above")
+        if self.error is not None:
+            raise HorovodInternalError(self.error)
+        return [e.result for e in self.entries]
+
+
+@dataclass(slots=True)
+class Entry:
+    request: Request
+    tensor: Any = None            # input (any device)
+    output: Any = None            # preallocated output (allreduce / broadcast), or None
+    handle: Handle | None = None
+    result: Any = None
+    extra: Any = None             # alltoall: received splits
+
+
+class Engine:
+    def __init__(self, *, rank: int, size: int, settings, channel: Channel,
+                 comm_factory: Callable[[int, list], Any], set_ranks: dict[int, list],
+                 timeline=None, on_exit: Callable[[], None] | None = None):
+        self.rank = rank
+        self.size = size
+        self.settings = settings
+        self.channel = channel
+        self.comm_factory = comm_factory
+        self.set_ranks = dict(set_ranks)
+        self.timeline = timeline
+        self.on_exit = on_exit
+        self.cycle_s = max(settings.cycle_time_ms, 0.0) / 1000.0
+        self.cache = RankCache()
+        self.executor = collectives.Executor(timeline)
+        self.comms: dict[int, Any] = {}
+        self.joined = False
+        self._lock = threading.Lock()
+        self._queue: deque[Entry] = deque()
+        self._inflight: dict[tuple[int, str], Entry] = {}
+        self._closed: str | None = None
+        self._stopping = False
+        self._last_send = 0.0
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._sel.register(channel.sock, selectors.EVENT_READ, "hub")
+        self.thread = threading.Thread(target=self._run, name="hvdlite-background", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------ frontend side
+    @property
+    def closed_reason(self) -> str | None:
+        return self._closed
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def enqueue(self, entries: list[Entry]) -> Handle:
+        """Submit tensors; raises at once for misuse that no other rank needs to hear about."""
+        handle = Handle(entries)
+        with self._lock:
+            if self._closed is not None:
+                raise HorovodInternalError(self._closed)
+            keys = []
+            for e in entries:
+                req = e.request
+                ranks = self.set_ranks.get(req.process_set_id)
+                if ranks is None:
+                    raise ValueError(f"process set {req.process_set_id} is not registered (it "
+                                     f"was removed, or never added on this rank).")
+                if self.rank not in ranks:
+                    raise ValueError(f"rank {self.rank} is not a member of process set "
+                                     f"{req.process_set_id} (ranks {ranks}); only members may "
+                                     f"submit '{req.name}' to it.")
+                key = (req.process_set_id, req.name)
+                if key in self._inflight or key in keys:
+                    raise ValueError(
+                        f"Requested to {TYPE_NAMES[req.type].lower()} a tensor with the same name "
+                        f"as another tensor that is currently being processed: '{req.name}'. "
+                        f"Give each in-flight collective a unique name.")
+                keys.append(key)
+            for key, e in zip(keys, entries):
+                e.handle = handle
+                self._inflight[key] = e
+                self._queue.append(e)
+        self._wake()
+        return handle
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake()
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+        for comm in self.comms.values():
+            comm.close()
+        self.comms.clear()
+
+    # ------------------------------------------------------------------ background thread
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # never leave a caller waiting on a dead thread
+            log.exception("hvdlite background thread failed")
+            self._close(f"hvdlite background thread failed on rank {self.rank}: {exc!r}")
+        finally:
+            try:
+                self._sel.close()
+                self._wake_r.close()
+                self._wake_w.close()
+            except OSError:
+                pass
+            if self.on_exit is not None:
+                self.on_exit()
+
+    def _loop(self) -> None:
+        while True:
+            if self._stopping:
+                self._finish_shutdown()
+                return
+            timeout = 0.5
+            if self._queue:
+                left = self.cycle_s - (time.monotonic() - self._last_send)
+                if left <= 0:
+                    self._send_queued()
+                else:
+                    timeout = left
+            eof = False
+            for key, _ in self._sel.select(timeout):
+                if key.data == "wake":
+                    try:
+                        self._wake_r.recv(65536)
+                    except BlockingIOError:
+                        pass
+                else:
+                    try:
+                        eof = not self.channel.feed()
+                    except OSError:
+                        eof = True
+            try:
+                msgs = self.channel.messages()
+            except ProtocolError as exc:
+                self._close(f"rank {self.rank}: {exc}")
+                return
+            for msg in msgs:
+                if not self._on_message(msg):
+                    return
+            if eof:
+                self._close(self._closed or
+                            f"rank {self.rank} lost its connection to the coordinator (rank 0): "
+                            f"rank 0 exited, crashed or shut down. {SHUT_DOWN_MESSAGE}")
+                return
+
+    def _finish_shutdown(self) -> None:
+        self._close(SHUT_DOWN_MESSAGE)
+        try:
+            self.channel.send(("S",))
+        except OSError:
+            pass
+        self.channel.close()
+
+    def _send_queued(self) -> None:
+        with self._lock:
+            entries = list(self._queue)
+            self._queue.clear()
+        if not entries:
+            return
+        full = []
+        masks: dict[int, int] = {}
+        for e in entries:
+            req = e.request
+            bit = self.cache.hit(req) if req.cacheable else -1
+            if bit >= 0:
+                masks[req.process_set_id] = masks.get(req.process_set_id, 0) | (1 << bit)
+            else:
+                full.append(req)
+        self._last_send = time.monotonic()
+        if self.timeline is not None and self.timeline.enabled:
+            self.timeline.cycle()
+        try:
+            self.channel.send(("Q", full, list(masks.items())))
+        except OSError as exc:
+            self._close(f"rank {self.rank} could not reach the coordinator: {exc}")
+
+    def _maybe_send(self) -> None:
+        if self._queue and time.monotonic() - self._last_send >= self.cycle_s:
+            self._send_queued()
+
+    def _on_message(self, msg) -> bool:
+        kind = msg[0]
+        if kind == "R":
+            for item in msg[1]:
+                tag = item[0]
+                if tag == "R":
+                    self._execute(item[1])
+                elif tag == "C":
+                    _, set_id, bits, joined = item
+                    self._execute(self.cache.expand(set_id, bits, joined))
+                elif tag == "E":
+                    self.cache.evict(item[1], item[2])
+                if self._closed is not None:
+                    return False
+            return True
+        if kind == "F":
+            self._close(msg[1])
+            return False
+        return True
+
+    # ------------------------------------------------------------------ execution
+    def _pop(self, set_id: int, names: list) -> list:
+        with self._lock:
+            return [self._inflight.pop((set_id, n), None) for n in names]
+
+    def _comm(self, set_id: int):
+        comm = self.comms.get(set_id)
+        if comm is None:
+            comm = self.comms[set_id] = self.comm_factory(set_id, self.set_ranks[set_id])
+        return comm
+
+    def _execute(self, resp: Response) -> None:
+        set_id = resp.process_set_id
+        if resp.type == ERROR:
+            for e in self._pop(set_id, resp.names):
+                if e is not None:
+                    e.handle._complete_one(resp.error)
+            return
+        entries = self._pop(set_id, resp.names)
+        if resp.cache_bits:
+            self.cache.learn(resp, {e.request.name: e.request for e in entries if e is not None})
+        if resp.type in (JOIN, BARRIER):
+            if resp.type == JOIN:
+                self.joined = False
+            for e in entries:
+                if e is not None:
+                    e.result = resp.last_joined_rank if resp.type == JOIN else None
+                    e.handle._complete_one()
+            return
+        if resp.type == ADD_PROCESS_SET:
+            sid, ranks = resp.extra
+            self.set_ranks[sid] = list(ranks)
+            for e in entries:
+                if e is not None:
+                    e.result = sid
+                    e.handle._complete_one()
+            return
+        if resp.type == REMOVE_PROCESS_SET:
+            sid = resp.extra
+            self.set_ranks.pop(sid, None)
+            comm = self.comms.pop(sid, None)
+            if comm is not None:
+                comm.close()
+            self.cache.drop_set(sid)
+            for e in entries:
+                if e is not None:
+                    e.result = sid
+                    e.handle._complete_one()
+            return
+        if any(e is None for e in entries) and (resp.type != ALLREDUCE or not resp.joined):
+            missing = [n for n, e in zip(resp.names, entries) if e is None]
+            self._report_failure(f"rank {self.rank} got a response for tensors it did not submit: "
+                                 f"{missing}")
+            return
+        self._maybe_send()
+        tl = self.timeline if (self.timeline is not None and self.timeline.enabled) else None
+        if tl is not None:
+            tl.start_op(resp.names, TYPE_NAMES[resp.type],
+                        {"dtype": resp.dtype, "shape": str(resp.shapes[0]) if resp.shapes else ""})
+        try:
+            collectives.run(self.executor, self._comm(set_id), resp, entries)
+        except Exception as exc:
+            if tl is not None:
+                tl.activity_end(resp.names)
+                tl.end_op(resp.names)
+            self._report_failure(
+                f"{TYPE_NAMES[resp.type]} of {resp.names[:4]} failed on rank {self.rank}: "
+                f"{type(exc).__name__}: {exc}")
+            return
+        if tl is not None:
+            tl.activity_end(resp.names)
+            tl.end_op(resp.names)
+        for e in entries:
+            if e is not None:
+                e.handle._complete_one()
+
+    def _report_failure(self, message: str) -> None:
+        try:
+            self.channel.send(("X", message))
+        except OSError:
+            pass
+        self._close(message)
+
+    def _close(self, reason: str) -> None:
+        """Fail everything pending; later enqueues raise with the same reason."""
+        with self._lock:
+            if self._closed is None:
+                self._closed = reason
+            reason = self._closed
+            pending = list(self._inflight.values())
+            self._inflight.clear()
+            self._queue.clear()
+        for e in pending:
+            e.handle._fail(reason)

@@ -1,0 +1,73 @@
+"""Tensor fusion: pack compatible responses into one transport call (Horovod's FuseResponses).
+
+Decided once, by the coordinator, so every rank runs the identical fused list.
+"""
+from __future__ import annotations
+
+import copy
+
+from .messages import ALLGATHER, BROADCAST, FUSABLE_TYPES, Response
+
+
+def _compatible(a: Response, b: Response, group_fusion: bool) -> bool:
+    if a.type != b.type or a.type not in FUSABLE_TYPES or a.error or b.error:
+        return False
+    if (a.process_set_id, a.dtype, a.device < 0, a.reduce_op, a.prescale, a.postscale) != \
+            (b.process_set_id, b.dtype, b.device < 0, b.reduce_op, b.prescale, b.postscale):
+        return False
+    if a.joined != b.joined:
+        return False
+    if a.type == BROADCAST and a.root_rank != b.root_rank:
+        return False
+    if not group_fusion and a.group != b.group:
+        return False
+    return True
+
+
+def _merge(into: Response, other: Response) -> None:
+    into.names.extend(other.names)
+    into.shapes.extend(other.shapes)
+    if into.type == ALLGATHER:
+        into.rank_dims.extend(other.rank_dims)
+    into.cache_bits.extend(other.cache_bits)
+
+
+def fuse_responses(responses: list[Response], threshold: int,
+                   group_fusion: bool = True) -> list[Response]:
+    """Greedy fusion in order, with bounded look-ahead past non-matching responses.
+
+    A response that does not match is skipped (kept for later, in order) while the skipped bytes stay
+    under the threshold, so interleaved fp16/fp32 gradients still fuse per dtype.
+    """
+    pending = list(responses)
+    out: list[Response] = []
+    while pending:
+        head = pending.pop(0)
+        if head.type not in FUSABLE_TYPES or head.error or threshold <= 0:
+            out.append(head)
+            continue
+        fused = copy.copy(head)
+        fused.names = list(head.names)
+        fused.shapes = list(head.shapes)
+        fused.rank_dims = list(head.rank_dims) if head.rank_dims is not None else None
+        fused.cache_bits = list(head.cache_bits) if head.cache_bits is not None else \
+            [-1] * len(head.names)
+        total = head.nbytes()
+        skipped_bytes = 0
+        rest: list[Response] = []
+        for i, cand in enumerate(pending):
+            size = cand.nbytes()
+            if _compatible(fused, cand, group_fusion) and total + size <= threshold:
+                if cand.cache_bits is None:
+                    cand.cache_bits = [-1] * len(cand.names)
+                _merge(fused, cand)
+                total += size
+            else:
+                skipped_bytes += size
+                rest.append(cand)
+                if skipped_bytes > threshold:
+                    rest.extend(pending[i + 1:])
+                    break
+        pending = rest
+        out.append(fused)
+    return out

@@ -1,0 +1,72 @@
+"""Process sets: subsets of ranks with their own negotiation and communicator (Horovod's API)."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+
+class ProcessSet:
+    """A subset of ranks. Pass it as `process_set=` to any collective.
+
+    Static sets go to `init(process_sets=[...])`; dynamic ones to `add_process_set` after
+    `init(process_sets="dynamic")`. Like Horovod, collectives still name broadcast roots by
+    global rank.
+    """
+
+    process_set_id: Optional[int] = None
+    ranks: Optional[list] = None
+    mpi_comm = None
+
+    def __init__(self, ranks_or_comm):
+        if isinstance(ranks_or_comm, Sequence) and not isinstance(ranks_or_comm, str):
+            ranks = [int(r) for r in ranks_or_comm]
+            if len(set(ranks)) != len(ranks):
+                raise ValueError(f"ProcessSet ranks must be distinct, got {list(ranks_or_comm)}")
+            self.ranks = sorted(ranks)
+        elif hasattr(ranks_or_comm, "Get_rank") and hasattr(ranks_or_comm, "Get_size"):
+            self.mpi_comm = ranks_or_comm
+        else:
+            raise ValueError("ProcessSet should be initialized with a list of process ranks or an "
+                             "mpi4py Comm object")
+
+    def _invalidate(self) -> None:
+        self.process_set_id = None
+
+    def size(self) -> Optional[int]:
+        """Size of the set, or None if it is not registered."""
+        from . import basics
+        if self.process_set_id is None:
+            return None
+        return len(basics._set_ranks(self.process_set_id))
+
+    def rank(self) -> Optional[int]:
+        """This process's rank within the set (-1 if not a member), None if not registered."""
+        from . import basics
+        if self.process_set_id is None:
+            return None
+        ranks = basics._set_ranks(self.process_set_id)
+        me = basics.rank()
+        return ranks.index(me) if me in ranks else -1
+
+    def included(self) -> Optional[bool]:
+        """Whether this process is in the set, or None if the set has no ranks yet."""
+        from . import basics
+        if self.ranks is None:
+            return None
+        return basics.rank() in self.ranks
+
+    def __str__(self) -> str:
+        return (f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, "
+                f"mpi_comm={self.mpi_comm})")
+
+    __repr__ = __str__
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, ProcessSet) and self.process_set_id == other.process_set_id
+                and self.ranks == other.ranks)
+
+    def __hash__(self) -> int:
+        return hash((self.process_set_id, tuple(self.ranks or ())))
+
+
+global_process_set = ProcessSet([])
+global_process_set.process_set_id = 0

@@ -1,0 +1,549 @@
+"""PyTorch collectives with Horovod's names and signatures (horovod.torch.mpi_ops).
+
+This module only converts tensors and builds requests; every collective runs in the common engine.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+
+from ..common import basics as _basics
+from ..common.collectives import DTYPE_NAMES
+from ..common.engine import Entry, Handle
+from ..common.exceptions import HorovodInternalError
+from ..common.messages import (ADASUM, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BARRIER,
+                               BROADCAST, JOIN, MAX, MIN, PRODUCT, REDUCESCATTER, SUM, Request)
+from ..common.process_sets import ProcessSet, global_process_set
+from .compression import Compression
+
+Average, Sum, Adasum, Min, Max, Product = AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT
+
+_handle_map: dict[int, tuple] = {}     # int handle -> (Handle, postprocess)
+_handle_lock = threading.Lock()
+_next_handle = 0
+_barrier_counts: dict[int, int] = {}
+_REDUCIBLE = {"uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
+              "float64"}
+
+
+def handle_average_backwards_compatibility(op, average):
+    if op is not None:
+        if average is not None:
+            raise ValueError("The op parameter supersedes average. Please provide only one of "
+                             "them.")
+        return op
+    if average is not None:
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in "
+                      "v0.21.0", DeprecationWarning)
+        return Average if average else Sum
+    return Average
+
+
+def _dtype_name(tensor: torch.Tensor, reduce: bool) -> str:
+    name = DTYPE_NAMES.get(tensor.dtype)
+    if name is None or (reduce and name not in _REDUCIBLE):
+        raise ValueError(f"Tensor type {tensor.type()} is not supported"
+                         + (" for reductions." if name is not None else "."))
+    return name
+
+
+def _device(tensor: torch.Tensor) -> int:
+    return tensor.device.index if tensor.device.type == "cuda" else -1
+
+
+def _set_id(process_set) -> int:
+    return _basics._resolve_set(process_set or global_process_set)
+
+
+def _register(handle: Handle, post) -> int:
+    global _next_handle
+    with _handle_lock:
+        _next_handle += 1
+        h = _next_handle
+        _handle_map[h] = (handle, post)
+    return h
+
+
+def _request(tensor, name, rtype, process_set, *, reduce=False, **kw) -> Request:
+    return Request(rank=_basics.rank(), name=name, type=rtype,
+                   dtype=_dtype_name(tensor, reduce), shape=tuple(tensor.shape),
+                   device=_device(tensor), process_set_id=_set_id(process_set), **kw)
+
+
+def _check_reduce_op(op, process_set):
+    if op == Adasum:
+        raise NotImplementedError("op=Adasum is not available yet in hvdlite; use Average or Sum.")
+    if op not in (Average, Sum, Min, Max, Product):
+        raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Min, Max or Product")
+
+
+# ---------------------------------------------------------------------- allreduce
+def _allreduce_async(tensors, outputs, name, op, prescale_factor, postscale_factor,
+                     process_set, grouped: bool):
+    _check_reduce_op(op, process_set)
+    auto = name is None
+    base = _basics.auto_name("allreduce") if auto else name
+    entries = []
+    n = len(tensors)
+    for i, (t, out) in enumerate(zip(tensors, outputs)):
+        tname = base if not grouped else f"{base}.{i}"
+        req = _request(t, tname, ALLREDUCE, process_set, reduce=True, reduce_op=op,
+                       prescale=float(prescale_factor), postscale=float(postscale_factor),
+                       cacheable=not auto,
+                       group=base if grouped and n > 1 else None,
+                       group_size=n if grouped and n > 1 else 0)
+        entries.append(Entry(req, t.detach() if t.is_contiguous() else t.detach().contiguous(),
+                             out))
+    handle = _basics.submit(entries)
+    if grouped:
+        return _register(handle, lambda res: list(res))
+    return _register(handle, lambda res: res[0])
+
+
+def _check_inplace(tensor):
+    if not tensor.is_contiguous():
+        raise ValueError("Tensor is required to be contiguous.")
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0, process_set=global_process_set) -> int:
+    """Asynchronous average/sum of `tensor` over all ranks; the input is not modified."""
+    op = handle_average_backwards_compatibility(op, average)
+    out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    return _allreduce_async([tensor], [out], name, op, prescale_factor, postscale_factor,
+                            process_set, grouped=False)
+
+
+class HorovodAllreduce(torch.autograd.Function):
+    """Allreduce with a gradient: the gradient is allreduced the same way."""
+
+    @staticmethod
+    def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor, process_set):
+        ctx.average, ctx.op = average, op
+        ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
+        ctx.process_set = process_set
+        return synchronize(allreduce_async(tensor, average, name, op, prescale_factor,
+                                           postscale_factor, process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return (allreduce(grad_output, average=ctx.average, op=ctx.op,
+                          prescale_factor=ctx.prescale_factor,
+                          postscale_factor=ctx.postscale_factor, process_set=ctx.process_set),
+                None, None, None, None, None, None)
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """Average (default) or reduce `tensor` over all ranks; differentiable."""
+    compressed, cctx = compression.compress(tensor)
+    reduced = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor,
+                                     postscale_factor, process_set)
+    return compression.decompress(reduced, cctx)
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                     postscale_factor=1.0, process_set=global_process_set) -> int:
+    """Asynchronous in-place allreduce."""
+    op = handle_average_backwards_compatibility(op, average)
+    _check_inplace(tensor)
+    return _allreduce_async([tensor], [tensor.detach()], name, op, prescale_factor,
+                            postscale_factor, process_set, grouped=False)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+               postscale_factor=1.0, process_set=global_process_set):
+    """In-place allreduce; returns `tensor`."""
+    synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
+                                 process_set))
+    return tensor
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=global_process_set) -> int:
+    """Asynchronous allreduce of a list of tensors, released (and fused) together."""
+    op = handle_average_backwards_compatibility(op, average)
+    outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    return _allreduce_async(list(tensors), outs, name, op, prescale_factor, postscale_factor,
+                            process_set, grouped=True)
+
+
+class HorovodGroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.average, ctx.op = average, op
+        ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
+        ctx.process_set = process_set
+        return tuple(synchronize(grouped_allreduce_async(list(tensors), average, name, op,
+                                                         prescale_factor, postscale_factor,
+                                                         process_set)))
+
+    @staticmethod
+    def backward(ctx, *grad_output):
+        grads = grouped_allreduce(list(grad_output), average=ctx.average, op=ctx.op,
+                                  prescale_factor=ctx.prescale_factor,
+                                  postscale_factor=ctx.postscale_factor,
+                                  process_set=ctx.process_set)
+        return (None, None, None, None, None, None, *grads)
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """Allreduce a list of tensors together; differentiable."""
+    compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
+    reduced = HorovodGroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor,
+                                            process_set, *compressed)
+    return [compression.decompress(t, c) for t, c in zip(reduced, ctxs)]
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=global_process_set) -> int:
+    op = handle_average_backwards_compatibility(op, average)
+    for t in tensors:
+        _check_inplace(t)
+    return _allreduce_async(list(tensors), [t.detach() for t in tensors], name, op,
+                            prescale_factor, postscale_factor, process_set, grouped=True)
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                       postscale_factor=1.0, process_set=global_process_set):
+    synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                         postscale_factor, process_set))
+    return list(tensors)
+
+
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
+    """Allreduce a sparse tensor by allgathering its indices and values; returns a callable
+    that waits and returns the summed (or averaged) sparse tensor."""
+    t = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    indices_handle = allgather_async(t._indices().transpose(0, 1).contiguous(),
+                                     name=f"{name}.indices", process_set=process_set)
+    values_handle = allgather_async(t._values().contiguous(), name=f"{name}.values",
+                                    process_set=process_set)
+
+    def handle():
+        values = synchronize(values_handle)
+        indices = synchronize(indices_handle)
+        if op == Average:
+            values = values / (process_set or global_process_set).size()
+        if indices.dim() == 0 or values.dim() == 0:
+            return t.new().resize_as_(t)
+        return torch.sparse_coo_tensor(indices.transpose(0, 1), values, t.size())
+
+    return handle
+
+
+# ---------------------------------------------------------------------- allgather
+def _allgather_async(tensors, name, process_set, grouped: bool) -> int:
+    base = name if name is not None else _basics.auto_name("allgather")
+    n = len(tensors)
+    entries = []
+    for i, t in enumerate(tensors):
+        if t.dim() == 0:
+            raise ValueError("allgather needs a tensor with at least one dimension; reshape the "
+                             "scalar to [1]")
+        req = _request(t, base if not grouped else f"{base}.{i}", ALLGATHER, process_set,
+                       cacheable=name is not None,
+                       group=base if grouped and n > 1 else None,
+                       group_size=n if grouped and n > 1 else 0)
+        entries.append(Entry(req, t.detach().contiguous()))
+    handle = _basics.submit(entries)
+    return _register(handle, (lambda res: list(res)) if grouped else (lambda res: res[0]))
+
+
+def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
+    """Asynchronous concatenation of every rank's tensor along dimension 0."""
+    return _allgather_async([tensor], name, process_set, grouped=False)
+
+
+class HorovodAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, process_set):
+        ctx.dim = tensor.shape[0]
+        ctx.process_set = process_set
+        return synchronize(allgather_async(tensor, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        ps = ctx.process_set or global_process_set
+        grad_reduced = allreduce(grad_output, op=Sum, process_set=ps)
+        dims = allgather(torch.tensor([ctx.dim], dtype=torch.int32), process_set=ps)
+        r = ps.rank()
+        offset = int(dims[:r].sum().item()) if r > 0 else 0
+        return grad_reduced.narrow(0, offset, ctx.dim), None, None
+
+
+def allgather(tensor, name=None, process_set=global_process_set):
+    """Concatenate every rank's tensor along dimension 0 (first dims may differ); differentiable."""
+    return HorovodAllgather.apply(tensor, name, process_set)
+
+
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
+    return _allgather_async(list(tensors), name, process_set, grouped=True)
+
+
+class HorovodGroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.dims = [t.shape[0] for t in tensors]
+        ctx.process_set = process_set
+        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ps = ctx.process_set or global_process_set
+        reduced = grouped_allreduce(list(grads), op=Sum, process_set=ps)
+        dims = allgather(torch.tensor([ctx.dims], dtype=torch.int32), process_set=ps)
+        r = ps.rank()
+        out = []
+        for i, g in enumerate(reduced):
+            offset = int(dims[:r, i].sum().item()) if r > 0 else 0
+            out.append(g.narrow(0, offset, ctx.dims[i]))
+        return (None, None, *out)
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    return list(HorovodGroupedAllgather.apply(name, process_set, *tensors))
+
+
+# ---------------------------------------------------------------------- broadcast
+def _broadcast_async(tensor, output, root_rank, name, process_set) -> int:
+    auto = name is None
+    req = _request(tensor, _basics.auto_name("broadcast") if auto else name, BROADCAST,
+                   process_set, root_rank=int(root_rank), cacheable=not auto)
+    handle = _basics.submit([Entry(req, tensor.detach().contiguous(), output)])
+    return _register(handle, lambda res: res[0])
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
+    """Asynchronous broadcast from `root_rank` (a global rank); the input is not modified."""
+    out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    return _broadcast_async(tensor, out, root_rank, name, process_set)
+
+
+class HorovodBroadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root_rank = root_rank
+        ctx.process_set = process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_reduced = allreduce(grad_output, op=Average, process_set=ctx.process_set)
+        if _basics.rank() != ctx.root_rank:
+            grad_reduced = grad_reduced * 0
+        return grad_reduced, None, None, None
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
+    """Broadcast `tensor` from `root_rank`; differentiable."""
+    return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:
+    _check_inplace(tensor)
+    return _broadcast_async(tensor, tensor.detach(), root_rank, name, process_set)
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
+    """In-place broadcast; returns `tensor`."""
+    synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return tensor
+
+
+# ---------------------------------------------------------------------- alltoall
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
+    """Asynchronous alltoall: rows splits[i] of `tensor` go to rank i of the set."""
+    if tensor.dim() == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension")
+    split_list = None
+    if splits is not None:
+        if isinstance(splits, torch.Tensor):
+            split_list = tuple(int(s) for s in splits.reshape(-1).tolist())
+        else:
+            split_list = tuple(int(s) for s in splits)
+    req = _request(tensor, name or _basics.auto_name("alltoall"), ALLTOALL, process_set,
+                   splits=split_list, cacheable=False)
+    entry = Entry(req, tensor.detach().contiguous())
+    handle = _basics.submit([entry])
+
+    def post(res):
+        recv = entry.extra
+        if isinstance(splits, torch.Tensor):
+            recv = recv.to(dtype=splits.dtype)
+        return res[0], recv
+
+    return _register(handle, post)
+
+
+class HorovodAlltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        output, received_splits = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.process_set = process_set
+        ctx.recvsplits = received_splits
+        if splits is None:
+            return output
+        ctx.mark_non_differentiable(received_splits)
+        return output, received_splits
+
+    @staticmethod
+    def backward(ctx, grad_output, *dead_gradients):
+        grad, _ = alltoall(grad_output.contiguous(), splits=ctx.recvsplits,
+                           process_set=ctx.process_set)
+        return grad, None, None, None
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    """Scatter rows of `tensor` to every rank and gather theirs; returns the output, plus the
+    received splits when `splits` is given. Differentiable."""
+    return HorovodAlltoall.apply(tensor, splits, name, process_set)
+
+
+# ---------------------------------------------------------------------- reducescatter
+def _reducescatter_async(tensors, name, op, process_set, prescale_factor, postscale_factor,
+                         grouped: bool) -> int:
+    if op not in (Average, Sum, Min, Max, Product):
+        raise ValueError("reducescatter supports op Average, Sum, Min, Max or Product")
+    auto = name is None
+    base = _basics.auto_name("reducescatter") if auto else name
+    n = len(tensors)
+    entries = []
+    for i, t in enumerate(tensors):
+        if t.dim() == 0:
+            raise ValueError("reducescatter needs a tensor with at least one dimension")
+        req = _request(t, base if not grouped else f"{base}.{i}", REDUCESCATTER, process_set,
+                       reduce=True, reduce_op=op, prescale=float(prescale_factor),
+                       postscale=float(postscale_factor), cacheable=not auto,
+                       group=base if grouped and n > 1 else None,
+                       group_size=n if grouped and n > 1 else 0)
+        entries.append(Entry(req, t.detach().contiguous()))
+    handle = _basics.submit(entries)
+    return _register(handle, (lambda res: list(res)) if grouped else (lambda res: res[0]))
+
+
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
+                        prescale_factor=1.0, postscale_factor=1.0) -> int:
+    """Asynchronous reduce of `tensor` over ranks, each rank keeping its slice of dimension 0
+    (the first dim % size ranks get one row more)."""
+    return _reducescatter_async([tensor], name, op, process_set, prescale_factor,
+                                postscale_factor, grouped=False)
+
+
+class HorovodReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
+        ctx.op, ctx.process_set = op, process_set
+        ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor,
+                                               postscale_factor))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = allgather(grad_output.contiguous(), process_set=ctx.process_set)
+        if ctx.op == Average:
+            grad = grad / (ctx.process_set or global_process_set).size()
+        grad = grad * (ctx.prescale_factor * ctx.postscale_factor)
+        return grad, None, None, None, None, None
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
+                  process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce-scatter along dimension 0; differentiable."""
+    compressed, cctx = compression.compress(tensor)
+    out = HorovodReducescatter.apply(compressed, name, op, process_set, prescale_factor,
+                                     postscale_factor)
+    return compression.decompress(out, cctx)
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0) -> int:
+    return _reducescatter_async(list(tensors), name, op, process_set, prescale_factor,
+                                postscale_factor, grouped=True)
+
+
+class HorovodGroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
+        ctx.op, ctx.process_set = op, process_set
+        ctx.scale = prescale_factor * postscale_factor
+        return tuple(synchronize(grouped_reducescatter_async(list(tensors), name, op, process_set,
+                                                             prescale_factor, postscale_factor)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ps = ctx.process_set or global_process_set
+        out = grouped_allgather([g.contiguous() for g in grads], process_set=ps)
+        if ctx.op == Average:
+            out = [g / ps.size() for g in out]
+        return (None, None, None, None, None, *[g * ctx.scale for g in out])
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0,
+                          postscale_factor=1.0):
+    compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
+    outs = HorovodGroupedReducescatter.apply(name, op, process_set, prescale_factor,
+                                             postscale_factor, *compressed)
+    return [compression.decompress(t, c) for t, c in zip(outs, ctxs)]
+
+
+# ---------------------------------------------------------------------- control
+def poll(handle: int) -> bool:
+    """True when the operation behind `handle` has finished (synchronize will not block)."""
+    entry = _handle_map.get(handle)
+    if entry is None:
+        raise ValueError(f"unknown handle {handle}")
+    return entry[0].done()
+
+
+def synchronize(handle: int):
+    """Wait for the operation and return its result; raises HorovodInternalError on failure."""
+    with _handle_lock:
+        entry = _handle_map.pop(handle, None)
+    if entry is None:
+        return None
+    h, post = entry
+    results = _basics.wait(h)
+    return post(results)
+
+
+def join(device=-1) -> int:
+    """Declare that this rank has no more data; until every rank has joined, this rank
+    contributes zeros to other ranks' allreduces. Returns the rank that joined last."""
+    req = Request(rank=_basics.rank(), name="join.noname", type=JOIN, cacheable=False)
+    handle = _basics.submit([Entry(req)])
+    (last,) = _basics.wait(handle)
+    return int(last)
+
+
+def barrier(process_set=global_process_set) -> None:
+    """Block until every rank of the process set has reached the barrier."""
+    sid = _set_id(process_set)
+    n = _barrier_counts.get(sid, 0)
+    _barrier_counts[sid] = n + 1
+    req = Request(rank=_basics.rank(), name=f"barrier.{n}", type=BARRIER, process_set_id=sid,
+                  cacheable=False)
+    _basics.wait(_basics.submit([Entry(req)]))
+
+
+def _reset() -> None:
+    """Forget handles and counters (shutdown/init)."""
+    with _handle_lock:
+        _handle_map.clear()
+    _barrier_counts.clear()
+
+
+__all__ = [
+    "Average", "Sum", "Adasum", "Min", "Max", "Product", "allreduce", "allreduce_async",
+    "allreduce_", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_async",
+    "grouped_allreduce_", "grouped_allreduce_async_", "sparse_allreduce_async", "allgather",
+    "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast",
+    "broadcast_async", "broadcast_", "broadcast_async_", "alltoall", "alltoall_async",
+    "reducescatter", "reducescatter_async", "grouped_reducescatter",
+    "grouped_reducescatter_async", "poll", "synchronize", "join", "barrier", "HorovodInternalError",
+    "ProcessSet", "global_process_set",
+]
