@@ -1,0 +1,48 @@
+"""Run a worker script under the real `hvdlite-run`, the way users start jobs."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+HVDLITE_RUN = str(Path(sys.executable).parent / "hvdlite-run")
+
+
+def hvdlite_run(script: str | os.PathLike, np: int = 2, args: list[str] | None = None,
+                env: dict | None = None, timeout: float = 120, launcher_args: list[str] | None = None,
+                check: bool = True) -> subprocess.CompletedProcess:
+    """Run `python script args...` on `np` ranks; return the completed launcher process.
+
+    With check=True a non-zero exit fails the test and shows the whole output.
+    """
+    path = Path(script)
+    if not path.is_absolute():
+        path = WORKERS / path
+    cmd = [HVDLITE_RUN, "-np", str(np), *(launcher_args or []), sys.executable, str(path),
+           *(args or [])]
+    full_env = dict(os.environ)
+    full_env.setdefault("HVDLITE_START_TIMEOUT", "60")
+    full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.update(env or {})
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) \
+            else (exc.stdout or "")
+        err = (exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes) \
+            else (exc.stderr or "")
+        raise AssertionError(f"hvdlite-run timed out after {timeout} s: {' '.join(cmd)}\n"
+                             f"--- stdout\n{out}\n--- stderr\n{err}") from None
+    if check and proc.returncode != 0:
+        raise AssertionError(f"hvdlite-run exited {proc.returncode}: {' '.join(cmd)}\n"
+                             f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    return proc
+
+
+def rank_lines(output: str, rank: int) -> list[str]:
+    """The lines rank `rank` printed, without the launcher's prefix."""
+    prefix = f"[{rank}]<stdout>:"
+    return [line[len(prefix):] for line in output.splitlines() if line.startswith(prefix)]
