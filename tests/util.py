@@ -46,3 +46,41 @@ def rank_lines(output: str, rank: int) -> list[str]:
     """The lines rank `rank` printed, without the launcher's prefix."""
     prefix = f"[{rank}]<stdout>:"
     return [line[len(prefix):] for line in output.splitlines() if line.startswith(prefix)]
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(script: str | os.PathLike, np: int = 2, args: list[str] | None = None,
+                env: dict | None = None, timeout: float = 120) -> list[subprocess.CompletedProcess]:
+    """Start ranks without the launcher, through Horovod's environment variables, so a test can
+    watch every rank's own exit (the launcher would stop the others when one fails)."""
+    path = Path(script)
+    if not path.is_absolute():
+        path = WORKERS / path
+    port = free_port()
+    procs = []
+    for r in range(np):
+        e = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+        e.update({"HOROVOD_RANK": str(r), "HOROVOD_SIZE": str(np),
+                  "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+                  "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+                  "HVDLITE_START_TIMEOUT": "60",
+                  "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+        e.update(env or {})
+        procs.append(subprocess.Popen([sys.executable, str(path), *(args or [])], env=e,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for r, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"rank {r} of {path.name} did not finish within {timeout} s")
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return results

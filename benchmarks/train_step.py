@@ -1,0 +1,111 @@
+"""Training-step time: hvdlite's DistributedOptimizer against torch DDP (gloo), same run.
+
+    hvdlite-run -np 2 python benchmarks/train_step.py [--models mlp,cnn,transformer]
+
+Both run in the same processes on the same model, data and thread settings, alternating
+A B A B over several rounds so machine noise hits both alike; the table shows the median
+step time of each and the ratio hvdlite / DDP (below 1.0 means hvdlite is faster).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hvdlite.torch as hvd  # noqa: E402
+from models import MODELS  # noqa: E402
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="mlp,cnn,transformer")
+    p.add_argument("--rounds", type=int, default=5, help="A/B rounds")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per round and contender")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--json", default=None, help="write results here (rank 0)")
+    return p.parse_args()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def time_steps(step, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    return (time.perf_counter() - t0) / n
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    port = hvd.broadcast_object(free_port() if rank == 0 else None, root_rank=0)
+    addr = os.environ.get("HVDLITE_STORE_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
+                            world_size=size)
+    results = {}
+    for name in args.models.split(","):
+        torch.manual_seed(0)
+        base, x, y = MODELS[name]()
+        hv_model = copy.deepcopy(base)
+        ddp_model = DDP(copy.deepcopy(base))
+        hv_opt = hvd.DistributedOptimizer(torch.optim.SGD(hv_model.parameters(), lr=0.01),
+                                          named_parameters=hv_model.named_parameters())
+        ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.01)
+
+        def hv_step():
+            hv_opt.zero_grad()
+            F.cross_entropy(hv_model(x), y).backward()
+            hv_opt.step()
+
+        def ddp_step():
+            ddp_opt.zero_grad()
+            F.cross_entropy(ddp_model(x), y).backward()
+            ddp_opt.step()
+
+        time_steps(hv_step, args.warmup)
+        time_steps(ddp_step, args.warmup)
+        hv_times, ddp_times = [], []
+        for _ in range(args.rounds):
+            hv_times.append(time_steps(hv_step, args.steps))
+            ddp_times.append(time_steps(ddp_step, args.steps))
+        params = sum(p.numel() for p in base.parameters())
+        results[name] = {"params": params, "hvdlite_s": hv_times, "ddp_s": ddp_times,
+                         "hvdlite_median_ms": statistics.median(hv_times) * 1e3,
+                         "ddp_median_ms": statistics.median(ddp_times) * 1e3}
+        results[name]["ratio"] = (results[name]["hvdlite_median_ms"]
+                                  / results[name]["ddp_median_ms"])
+    if rank == 0:
+        print(f"training step, {size} ranks, {args.threads} thread(s) each, "
+              f"{args.rounds} rounds x {args.steps} steps (median ms/step)")
+        print(f"{'model':<12} {'params':>10} {'hvdlite':>10} {'torch DDP':>10} {'hvdlite/DDP':>12}")
+        for name, r in results.items():
+            print(f"{name:<12} {r['params']:>10,} {r['hvdlite_median_ms']:>10.2f} "
+                  f"{r['ddp_median_ms']:>10.2f} {r['ratio']:>12.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"ranks": size, "threads": args.threads, "results": results}, f,
+                          indent=1)
+    dist.destroy_process_group()
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Bad input gets a clear error on every rank, quickly, and nothing hangs."""
+import pytest
+
+from util import hvdlite_run, rank_lines, spawn_ranks
+
+
+@pytest.mark.timeout(120)
+def test_mismatches_raise_on_every_rank_and_job_continues():
+    proc = hvdlite_run("errors_mismatch.py", np=2)
+    for r in range(2):
+        lines = rank_lines(proc.stdout, r)
+        assert sum(1 for line in lines if line.startswith("ERROR-OK")) == 7, proc.stdout
+        assert lines[-1] == "OK"
+
+
+@pytest.mark.timeout(120)
+def test_rank_that_exits_early_fails_the_others_fast():
+    res = spawn_ranks("errors_early_exit.py", np=2, args=["exit"], timeout=90)
+    assert res[1].returncode == 0, res[1].stderr
+    assert res[0].returncode == 0, res[0].stdout + res[0].stderr
+    line = [x for x in res[0].stdout.splitlines() if x.startswith("RAISED")][0]
+    assert float(line.split()[1]) < 10
+    assert "rank(s) [1]" in line and "shut down" in line
+
+
+@pytest.mark.timeout(120)
+def test_killed_peer_fails_the_others_fast():
+    res = spawn_ranks("errors_early_exit.py", np=2, args=["kill"], timeout=90)
+    assert res[1].returncode == -9
+    assert res[0].returncode == 0, res[0].stdout + res[0].stderr
+    line = [x for x in res[0].stdout.splitlines() if x.startswith("RAISED")][0]
+    assert float(line.split()[1]) < 10
+    assert "rank 1" in line and "lost its connection" in line
+
+
+@pytest.mark.timeout(120)
+def test_name_mismatch_stall_is_reported_and_shuts_down():
+    env = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "4"}
+    res = spawn_ranks("errors_stall.py", np=2, env=env, timeout=90)
+    for r in range(2):
+        assert res[r].returncode == 0, res[r].stdout + res[r].stderr
+        line = [x for x in res[r].stdout.splitlines() if x.startswith("RAISED")][0]
+        assert "grad.layer0" in line and "grad.layer1" in line, line
+        assert "rank 1 has not submitted: ['grad.layer0']" in line, line
+        assert "waiting on ['grad.layer1'] instead" in line, line
+    assert "has not submitted" in res[0].stderr  # the warning before the shutdown
+
+
+@pytest.mark.timeout(60)
+def test_op_before_init_is_a_clear_error():
+    import subprocess
+    import sys
+    code = ("import torch, hvdlite.torch as hvd\n"
+            "try:\n    hvd.allreduce(torch.ones(1))\n"
+            "except ValueError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60).stdout
+    assert "Horovod has not been initialized; use hvd.init()." in out

@@ -1,0 +1,454 @@
+"""hvdlite-run and hvdlite.runner.run, exercised through the real console script and real ranks."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hvdlite.runner import run
+from hvdlite.runner.config_file import ConfigError, parse_yaml_subset
+from hvdlite.runner.hosts import (HostError, HostSpec, assign_slots, is_local_host,
+                                  parse_hostfile, parse_hosts)
+from hvdlite.runner.launch import parse_args
+
+HVDLITE_RUN = str(Path(sys.executable).parent / "hvdlite-run")
+SCRIPTS = Path(__file__).parent / "launcher_scripts"
+PY = sys.executable
+
+
+def _clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The test process's environment without inherited Horovod/hvdlite settings."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HVDLITE_", "HOROVOD_", "_HVDLITE_"))}
+    env.update(extra or {})
+    return env
+
+
+def launch(*args: object, env: dict[str, str] | None = None,
+           timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([HVDLITE_RUN, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=_clean_env(env))
+
+
+def env_reports(stdout: str) -> dict[int, dict[str, str]]:
+    reports = {}
+    for line in stdout.splitlines():
+        m = re.fullmatch(r"\[(\d+)\]<stdout>:ENV (.*)", line)
+        if m:
+            reports[int(m.group(1))] = json.loads(m.group(2))
+    return reports
+
+
+def launcher_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("hvdlite-run:")]
+
+
+def gone(pid: int, wait: float = 3.0) -> bool:
+    """True when `pid` no longer runs (a zombie awaiting its reaper counts as gone)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- parsing, no ranks
+
+@pytest.mark.timeout(30)
+def test_every_horovodrun_flag_parses(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=4\n")
+    args = parse_args([
+        "-np", "2", "-hostfile", str(hostfile), "-p", "2222", "-i", "/tmp/key", "--gloo",
+        "--network-interfaces", "eth0,eth1", "--network-interface", "eth2",
+        "--network-interface", "eth0", "--start-timeout", "40", "--disable-cache",
+        "--output-filename", "/tmp/out", "--verbose", "--fusion-threshold-mb", "32",
+        "--cycle-time-ms", "2", "--cache-capacity", "10", "--no-hierarchical-allreduce",
+        "--hierarchical-allgather", "--torus-allreduce", "--autotune", "--autotune-log-file",
+        "/tmp/a.csv", "--autotune-warmup-samples", "1", "--autotune-steps-per-sample", "2",
+        "--autotune-bayes-opt-max-samples", "3", "--autotune-gaussian-process-noise", "0.1",
+        "--slots-per-host", "2", "--elastic-timeout", "60", "--reset-limit", "3",
+        "--blacklist-cooldown-range", "10", "100", "--timeline-filename", "/tmp/t.json",
+        "--no-timeline-mark-cycles", "--no-stall-check", "--stall-check-warning-time-seconds", "5",
+        "--stall-check-shutdown-time-seconds", "10", "--no-mpi-threads-disable", "--mpi-args=-x A",
+        "--tcp", "--binding-args=--bind-to none", "--num-nccl-streams", "2",
+        "--thread-affinity", "0,1", "--gloo-timeout-seconds", "20", "--log-level", "debug",
+        "--log-without-timestamp", "-prefix-timestamp", "python", "train.py", "--lr", "0.1"])
+    assert args.command == ["python", "train.py", "--lr", "0.1"]
+    assert args.nics == ["eth0", "eth1", "eth2"]
+    assert args.cooldown_range == [10, 100] and args.log_level == "DEBUG"
+    assert args.hierarchical_allreduce is False and args.hierarchical_allgather is True
+    assert args.host_list == [HostSpec("localhost", 4)] and not args.elastic
+    elastic = parse_args(["--min-np", "1", "--max-np", "4", "--host-discovery-script", "d.sh",
+                          "--jsrun", "python", "x.py"])
+    assert elastic.elastic and elastic.num_proc is None and elastic.use_jsrun
+    assert parse_args(["--mpi", "-np", "1", "true"]).use_mpi
+
+
+def test_hosts_parsing_and_placement(tmp_path):
+    assert parse_hosts("a:2,b:4, c") == [HostSpec("a", 2), HostSpec("b", 4), HostSpec("c", 1)]
+    for bad in ("a:0", "a:x", "a:2,a:1", ""):
+        with pytest.raises(HostError):
+            parse_hosts(bad)
+    hf = tmp_path / "hostfile"
+    hf.write_text("# cluster\nnode1 slots=2\n\nnode2:3  # comment\nnode3\n")
+    assert parse_hostfile(str(hf)) == [HostSpec("node1", 2), HostSpec("node2", 3),
+                                       HostSpec("node3", 1)]
+    hf.write_text("node1 slots=2\nnode2 slots=two\n")
+    with pytest.raises(HostError, match=f"hostfile {re.escape(str(hf))} line 2"):
+        parse_hostfile(str(hf))
+
+    slots = assign_slots([HostSpec("a", 2), HostSpec("b", 2), HostSpec("c", 2)], 5)
+    got = [(s.hostname, s.rank, s.local_rank, s.local_size, s.cross_rank, s.cross_size)
+           for s in slots]
+    assert got == [("a", 0, 0, 2, 0, 3), ("a", 1, 1, 2, 0, 2), ("b", 2, 0, 2, 1, 3),
+                   ("b", 3, 1, 2, 1, 2), ("c", 4, 0, 1, 2, 3)]
+
+    for name in ("localhost", "127.0.0.1", "127.0.1.1", "::1", socket.gethostname()):
+        assert is_local_host(name), name
+    assert not is_local_host("192.0.2.1")  # TEST-NET-1: documentation-only, never ours
+
+
+def test_yaml_subset():
+    text = ("# comment\ncontroller: gloo\nparams:\n  fusion_threshold_mb: 32  # MB\n"
+            "  hierarchical_allreduce: false\ntimeline:\n  filename: '/tmp/a #1.json'\n")
+    assert parse_yaml_subset(text) == {
+        "controller": "gloo",
+        "params": {"fusion_threshold_mb": 32, "hierarchical_allreduce": False},
+        "timeline": {"filename": "/tmp/a #1.json"}}
+    for bad in ("a:\n  - 1\n", "a: 1\n   b: 2\n", "a: [1, 2]\n", "just text\n"):
+        with pytest.raises(ConfigError):
+            parse_yaml_subset(bad)
+
+
+# --------------------------------------------------------------------------- CLI, no ranks
+
+@pytest.mark.timeout(30)
+def test_version():
+    out = launch("--version", timeout=20)
+    assert out.returncode == 0 and out.stdout.strip() == "hvdlite-run 0.1.0"
+    out = launch("-v", timeout=20)
+    assert out.returncode == 0 and out.stdout.strip() == "hvdlite-run 0.1.0"
+
+
+@pytest.mark.timeout(30)
+def test_check_build():
+    out = launch("--check-build", timeout=20)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("hvdlite v0.1.0:")
+    for section in ("Available Frameworks:", "Available Controllers:",
+                    "Available Tensor Operations:"):
+        assert section in out.stdout
+    assert "[X] PyTorch" in out.stdout and "[X] Gloo" in out.stdout
+    assert re.search(r"\[[ X]\] TensorFlow", out.stdout) and re.search(r"\[[ X]\] NCCL", out.stdout)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, message", [
+    ([], "argument -np/--num-proc is required"),
+    (["-np", "2"], "no command given"),
+    (["-np", "8", "-H", "localhost:4", "true"], "-np 8 but the hosts give only 4 slots: localhost:4"),
+    (["-np", "1", "--bogus-flag", "true"], "unrecognized arguments: --bogus-flag"),
+    (["-np", "two", "true"], "argument -np/--num-proc: invalid int value: 'two'"),
+    (["-np", "0", "true"], "argument -np/--num-proc: must be >= 1"),
+    (["-np", "1", "--fusion-threshold-mb", "-1", "true"], "argument --fusion-threshold-mb: must be >= 0"),
+    (["-np", "1", "--cycle-time-ms", "fast", "true"], "argument --cycle-time-ms: invalid float value"),
+    (["-np", "1", "--log-level", "LOUD", "true"], "argument --log-level: invalid choice"),
+    (["-np", "1", "--blacklist-cooldown-range", "10"], "argument --blacklist-cooldown-range: expected 2 arguments"),
+    (["-np", "1", "--hierarchical-allreduce", "--no-hierarchical-allreduce", "true"],
+     "not allowed with argument --hierarchical-allreduce"),
+    (["-np", "1", "-H", "localhost:1", "-hostfile", "x", "true"], "not allowed with argument -H/--hosts"),
+    (["--min-np", "4", "--max-np", "2", "true"], "argument --min-np/--min-num-proc: 4 is larger than --max-np 2"),
+    (["-np", "1", "-H", "localhost:0", "true"], "slots must be a positive integer"),
+    (["-np", "1", "--start-timeout", "0", "true"], "argument --start-timeout: must be >= 1"),
+])
+def test_usage_errors(args, message):
+    out = launch(*args, timeout=20)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "hvdlite-run: error:" in out.stderr and message in out.stderr, out.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, message", [
+    (["--min-np", "1", "--max-np", "2", "true"], "hvdlite-run: elastic mode is not available yet"),
+    (["-np", "1", "--host-discovery-script", "./d.sh", "true"], "elastic mode is not available yet"),
+    (["-np", "1", "--mpi", "true"], "hvdlite-run: --mpi is not available yet"),
+    (["-np", "1", "-H", "192.0.2.1:1", "true"], "hvdlite-run: remote hosts are not supported yet: 192.0.2.1"),
+])
+def test_not_available_yet(args, message):
+    out = launch(*args, timeout=20)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+@pytest.mark.timeout(30)
+def test_missing_command():
+    out = launch("-np", "2", "no-such-command-hvdlite", timeout=20)
+    assert out.returncode == 127
+    assert "hvdlite-run: command 'no-such-command-hvdlite' not found" in out.stderr
+
+
+@pytest.mark.timeout(30)
+def test_bad_hostfile_and_config(tmp_path):
+    hf = tmp_path / "hosts"
+    hf.write_text("localhost slots=2\nbad line here\n")
+    out = launch("-np", "1", "-hostfile", hf, "true", timeout=20)
+    assert out.returncode == 2 and f"hostfile {hf} line 2" in out.stderr, out.stderr
+    hf.write_text("localhost slots=2\n127.0.0.1:1\n")
+    out = launch("-np", "4", "-hostfile", hf, "true", timeout=20)
+    assert out.returncode == 2
+    assert "-np 4 but the hosts give only 3 slots: localhost:2,127.0.0.1:1" in out.stderr
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("params:\n  fusion_threshold: 3\n")
+    out = launch("-np", "1", "--config-file", cfg, "true", timeout=20)
+    assert out.returncode == 2 and "unknown key params.fusion_threshold" in out.stderr
+
+
+# --------------------------------------------------------------------------- real ranks
+
+@pytest.mark.timeout(60)
+def test_env_np2_and_store_reachable():
+    out = launch("-np", "2", PY, SCRIPTS / "env_dump.py", "store",
+                 env={"LAUNCHER_TEST_CALLER_VAR": "from-caller"})
+    assert out.returncode == 0, out.stderr
+    reports = env_reports(out.stdout)
+    assert sorted(reports) == [0, 1]
+    port = reports[0]["HVDLITE_STORE_PORT"]
+    for rank, env in reports.items():
+        for prefix in ("HVDLITE_", "HOROVOD_"):
+            assert env[prefix + "RANK"] == str(rank)
+            assert env[prefix + "SIZE"] == "2"
+            assert env[prefix + "LOCAL_RANK"] == str(rank)
+            assert env[prefix + "LOCAL_SIZE"] == "2"
+            assert env[prefix + "CROSS_RANK"] == "0"
+            assert env[prefix + "CROSS_SIZE"] == "1"
+            assert env[prefix + "HOSTNAME"] == "localhost"
+        assert env["HVDLITE_STORE_ADDR"] == env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "127.0.0.1"
+        assert env["HVDLITE_STORE_PORT"] == env["HOROVOD_GLOO_RENDEZVOUS_PORT"] == port
+        assert env["HOROVOD_CONTROLLER"] == env["HOROVOD_CPU_OPERATIONS"] == "gloo"
+        assert env["HVDLITE_START_TIMEOUT"] == "30"
+        assert env["PYTHONUNBUFFERED"] == "1"
+        assert env["LAUNCHER_TEST_CALLER_VAR"] == "from-caller"
+        assert re.fullmatch(r"[0-9a-f]{64}", env["_HVDLITE_SECRET_KEY"])
+        assert "HOROVOD_GLOO_IFACE" not in env and "HVDLITE_FUSION_THRESHOLD" not in env
+        assert env["peer_value"] == f"hello from {(rank + 1) % 2}"
+    assert reports[0]["_HVDLITE_SECRET_KEY"] == reports[1]["_HVDLITE_SECRET_KEY"]
+
+
+@pytest.mark.timeout(60)
+def test_env_np4_two_hosts_cross_ranks():
+    out = launch("-np", "4", "-H", "localhost:2,127.0.0.1:2", "--network-interfaces", "lo",
+                 "--start-timeout", "12", PY, SCRIPTS / "env_dump.py",
+                 env={"HOROVOD_START_TIMEOUT": "99"})
+    assert out.returncode == 0, out.stderr
+    reports = env_reports(out.stdout)
+    expected = {0: ("localhost", 0, 0), 1: ("localhost", 1, 0),
+                2: ("127.0.0.1", 0, 1), 3: ("127.0.0.1", 1, 1)}
+    for rank, (host, local_rank, cross_rank) in expected.items():
+        env = reports[rank]
+        for prefix in ("HVDLITE_", "HOROVOD_"):
+            assert env[prefix + "RANK"] == str(rank) and env[prefix + "SIZE"] == "4"
+            assert env[prefix + "HOSTNAME"] == host
+            assert env[prefix + "LOCAL_RANK"] == str(local_rank)
+            assert env[prefix + "LOCAL_SIZE"] == "2"
+            assert env[prefix + "CROSS_RANK"] == str(cross_rank)
+            assert env[prefix + "CROSS_SIZE"] == "2"
+        assert env["HOROVOD_GLOO_IFACE"] == env["HVDLITE_GLOO_IFACE"] == "lo"
+        assert env["HVDLITE_START_TIMEOUT"] == env["HOROVOD_START_TIMEOUT"] == "12"
+
+
+@pytest.mark.timeout(60)
+def test_tuning_flags_become_env():
+    out = launch(
+        "-np", "1", "--fusion-threshold-mb", "32", "--cycle-time-ms", "2.5",
+        "--cache-capacity", "512", "--hierarchical-allreduce", "--no-hierarchical-allgather",
+        "--torus-allreduce", "--autotune", "--autotune-log-file", "/tmp/at.csv",
+        "--autotune-warmup-samples", "4", "--autotune-steps-per-sample", "11",
+        "--autotune-bayes-opt-max-samples", "21", "--autotune-gaussian-process-noise", "0.5",
+        "--timeline-filename", "/tmp/tl.json", "--timeline-mark-cycles", "--no-stall-check",
+        "--stall-check-warning-time-seconds", "7", "--stall-check-shutdown-time-seconds", "9",
+        "--mpi-threads-disable", "--num-nccl-streams", "2", "--thread-affinity", "0,1",
+        "--gloo-timeout-seconds", "45", "--tcp", "--log-level", "debug", "--log-without-timestamp",
+        PY, SCRIPTS / "env_dump.py")
+    assert out.returncode == 0, out.stderr
+    env = env_reports(out.stdout)[0]
+    expected = {
+        "FUSION_THRESHOLD": "33554432", "CYCLE_TIME": "2.5", "CACHE_CAPACITY": "512",
+        "HIERARCHICAL_ALLREDUCE": "1", "HIERARCHICAL_ALLGATHER": "0", "TORUS_ALLREDUCE": "1",
+        "AUTOTUNE": "1", "AUTOTUNE_LOG": "/tmp/at.csv", "AUTOTUNE_WARMUP_SAMPLES": "4",
+        "AUTOTUNE_STEPS_PER_SAMPLE": "11", "AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "21",
+        "AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.5", "TIMELINE": "/tmp/tl.json",
+        "TIMELINE_MARK_CYCLES": "1", "STALL_CHECK_DISABLE": "1", "STALL_CHECK_TIME_SECONDS": "7",
+        "STALL_SHUTDOWN_TIME_SECONDS": "9", "MPI_THREADS_DISABLE": "1", "NUM_NCCL_STREAMS": "2",
+        "THREAD_AFFINITY": "0,1", "GLOO_TIMEOUT_SECONDS": "45", "LOG_LEVEL": "DEBUG",
+        "LOG_HIDE_TIME": "1",
+    }
+    for name, value in expected.items():
+        assert env["HOROVOD_" + name] == value, name
+        assert env["HVDLITE_" + name] == value, name
+    assert env["NCCL_IB_DISABLE"] == "1"
+
+
+@pytest.mark.timeout(60)
+def test_config_file_with_command_line_override(tmp_path):
+    cfg = tmp_path / "hvd.yaml"
+    cfg.write_text("controller: gloo\nparams:\n  fusion_threshold_mb: 16\n  cycle_time_ms: 3\n"
+                   "timeline:\n  filename: /tmp/x.json\nstall_check:\n  enabled: false\n"
+                   "logging:\n  level: info\n")
+    out = launch("-np", "1", "--cycle-time-ms", "7", "--config-file", cfg,
+                 PY, SCRIPTS / "env_dump.py")
+    assert out.returncode == 0, out.stderr
+    env = env_reports(out.stdout)[0]
+    assert env["HVDLITE_FUSION_THRESHOLD"] == str(16 * 1024 * 1024)
+    assert env["HVDLITE_CYCLE_TIME"] == env["HOROVOD_CYCLE_TIME"] == "7.0"
+    assert env["HVDLITE_TIMELINE"] == "/tmp/x.json"
+    assert env["HVDLITE_STALL_CHECK_DISABLE"] == "1" and env["HVDLITE_LOG_LEVEL"] == "INFO"
+
+
+@pytest.mark.timeout(60)
+def test_output_prefix_and_output_files(tmp_path):
+    outdir = tmp_path / "logs"
+    out = launch("-np", "2", "--output-filename", outdir, PY, SCRIPTS / "output.py")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for rank in (0, 1):
+        ordered = [f"[{rank}]<stdout>:out one {rank}", f"[{rank}]<stdout>:out two {rank}",
+                   f"[{rank}]<stdout>:partial {rank}"]
+        assert [line for line in lines if line.startswith(f"[{rank}]")] == ordered
+        assert f"[{rank}]<stderr>:err one {rank}" in out.stderr.splitlines()
+        assert (outdir / f"rank.{rank}" / "stdout").read_text() == \
+            f"out one {rank}\nout two {rank}\npartial {rank}"
+        assert (outdir / f"rank.{rank}" / "stderr").read_text() == f"err one {rank}\n"
+
+
+@pytest.mark.timeout(60)
+def test_prefix_output_with_timestamp():
+    out = launch("-np", "1", "--prefix-output-with-timestamp", PY, SCRIPTS / "output.py")
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[0]
+    assert re.fullmatch(r"\w{3} \w{3} \d\d \d\d:\d\d:\d\d \d{4}\[0\]<stdout>:out one 0", first), first
+
+
+@pytest.mark.timeout(60)
+def test_failing_rank_stops_the_others():
+    start = time.monotonic()
+    out = launch("-np", "3", PY, SCRIPTS / "fail.py", "1", "3", timeout=40)
+    elapsed = time.monotonic() - start
+    assert out.returncode == 3, out.stderr
+    messages = launcher_lines(out.stderr)
+    assert len(messages) == 1, out.stderr
+    assert re.fullmatch(r"hvdlite-run: rank 1 \(host localhost, pid \d+\) exited with code 3",
+                        messages[0])
+    err = out.stderr.splitlines()
+    assert err.index("[1]<stderr>:rank 1 failing") < err.index(messages[0])
+    sleepers = [int(p) for p in re.findall(r"<stdout>:sleeper pid=(\d+)", out.stdout)]
+    assert len(sleepers) == 2 and all(gone(p) for p in sleepers)
+    assert elapsed < 20  # the sleepers (60 s) were stopped, not waited for
+
+
+@pytest.mark.timeout(60)
+def test_rank_killed_by_signal():
+    out = launch("-np", "2", PY, SCRIPTS / "fail.py", "1", "kill", timeout=40)
+    assert out.returncode == 128 + signal.SIGKILL, out.stderr
+    messages = launcher_lines(out.stderr)
+    assert len(messages) == 1
+    assert re.fullmatch(r"hvdlite-run: rank 1 \(host localhost, pid \d+\) was killed by signal "
+                        r"SIGKILL", messages[0])
+
+
+def _start_hanging_job(np: int, *script_args: str) -> tuple[subprocess.Popen, list[int]]:
+    proc = subprocess.Popen([HVDLITE_RUN, "-np", str(np), PY, str(SCRIPTS / "hang.py"),
+                             *script_args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=_clean_env(), start_new_session=True)
+    lines: "queue.Queue[str]" = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    pids: list[int] = []
+    deadline = time.monotonic() + 30
+    while len(pids) < 2 * np:
+        line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        m = re.search(r"ready pid=(\d+) child=(\d+)", line)
+        if m:
+            pids += [int(m.group(1)), int(m.group(2))]
+    return proc, pids
+
+
+@pytest.mark.timeout(60)
+def test_sigint_stops_all_ranks_and_children():
+    proc, pids = _start_hanging_job(2, "ignore-term")  # rank 1 needs the SIGKILL escalation
+    try:
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        assert 4 < time.monotonic() - start < 15  # grace period, then SIGKILL
+        stderr = proc.stderr.read()
+        assert "hvdlite-run: interrupted, stopped 2 ranks" in launcher_lines(stderr), stderr
+        assert all(gone(p) for p in pids), [p for p in pids if not gone(p, 0)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_launcher():
+    proc, pids = _start_hanging_job(2)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 143
+        assert "hvdlite-run: interrupted, stopped 2 ranks" in proc.stderr.read()
+        assert all(gone(p) for p in pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+# --------------------------------------------------------------------------- Python API
+
+@pytest.mark.timeout(60)
+def test_run_returns_values_in_rank_order():
+    def work(x, scale=1):
+        import os
+        return int(os.environ["HVDLITE_RANK"]), x * scale
+
+    assert run(work, args=(5,), kwargs={"scale": 2}, num_proc=2) == [(0, 10), (1, 10)]
+
+
+@pytest.mark.timeout(60)
+def test_run_propagates_a_rank_exception():
+    def boom():
+        import os
+        import time
+        if os.environ["HVDLITE_RANK"] == "1":
+            raise ValueError("boom from rank 1")
+        time.sleep(30)  # stopped by the driver once rank 1 fails
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        run(boom, np=2)
+    text = str(info.value)
+    assert text.startswith("rank 1 raised an exception")
+    assert "Traceback" in text and "ValueError: boom from rank 1" in text
+    assert time.monotonic() - start < 20
+
+
+def test_run_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="must be >= 1"):
+        run(print, num_proc=0)
+    with pytest.raises(ValueError, match="only 1 slots"):
+        run(print, num_proc=2, hosts="localhost:1")
+    with pytest.raises(ValueError, match="elastic mode is not available yet"):
+        run(print, min_num_proc=1, max_num_proc=2)
