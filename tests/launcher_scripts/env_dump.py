@@ -5,7 +5,7 @@ import os
 import sys
 
 keys = sorted(k for k in os.environ
-              if k.startswith(("HVDLITE_", "HOROVOD_", "_HVDLITE_")) or k in
+              if k.startswith(("HVDLITE_", "HOROVOD_")) or k in
               ("PYTHONUNBUFFERED", "NCCL_IB_DISABLE", "LAUNCHER_TEST_CALLER_VAR"))
 report = {k: os.environ[k] for k in keys}
 

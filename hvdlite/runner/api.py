@@ -1,0 +1,135 @@
+"""`hvdlite.runner.run`: horovod.run's Python API on the same driver as `hvdlite-run`.
+
+The function travels to the workers through the driver's rendezvous store (cloudpickled and
+signed with the job secret), each worker writes back its return value or its traceback, and the
+driver returns the values in rank order or raises with the remote traceback.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+from hvdlite.runner.env_flags import tuning_env
+from hvdlite.runner.launch import UsageError, build_parser, check_args
+
+_API_NAME = "hvdlite.runner.run"
+
+
+def _nic_list(*values: Union[None, str, Iterable[str]]) -> Optional[list[str]]:
+    nics: list[str] = []
+    for value in values:
+        if value is None:
+            continue
+        items = value.split(",") if isinstance(value, str) else list(value)
+        for nic in items:
+            nic = nic.strip()
+            if nic and nic not in nics:
+                nics.append(nic)
+    return nics or None
+
+
+def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict] = None,
+        num_proc: Optional[int] = None, min_num_proc: Optional[int] = None,
+        max_num_proc: Optional[int] = None, slots: Optional[int] = None,
+        reset_limit: Optional[int] = None, cooldown_range: Optional[Sequence[int]] = None,
+        hosts: Optional[str] = None, hostfile: Optional[str] = None,
+        host_discovery_script: Optional[str] = None, start_timeout: Optional[int] = None,
+        ssh_port: Optional[int] = None, ssh_identity_file: Optional[str] = None,
+        disable_cache: Optional[bool] = None, output_filename: Optional[str] = None,
+        verbose: Optional[int] = None, use_gloo: Optional[bool] = None,
+        use_mpi: Optional[bool] = None, mpi_args: Optional[str] = None,
+        network_interface: Union[None, str, Iterable[str]] = None,
+        network_interfaces: Union[None, str, Iterable[str]] = None,
+        executable: Optional[str] = None, np: Optional[int] = None,
+        min_np: Optional[int] = None, max_np: Optional[int] = None) -> list[Any]:
+    """Run `func(*args, **kwargs)` on `num_proc` ranks and return their results, by rank.
+
+    Same signature as `horovod.run` (`np`, `min_np`, `max_np` are its deprecated aliases).
+    Raises ValueError for bad arguments and RuntimeError naming the rank, with the remote
+    traceback, when a rank raises or dies.
+    """
+    import cloudpickle
+
+    from hvdlite.runner.driver import (JobSpec, Rendezvous, check_spawnable, exit_description,
+                                       run_job)
+    from hvdlite.runner.hosts import assign_slots
+    from hvdlite.runner.local import LaunchError
+    from hvdlite.runner.run_task import FUNC_KEY, result_key
+
+    hargs = build_parser().parse_args([])
+    hargs.num_proc = num_proc if num_proc is not None else np
+    hargs.min_num_proc = min_num_proc if min_num_proc is not None else min_np
+    hargs.max_num_proc = max_num_proc if max_num_proc is not None else max_np
+    elastic = any(v is not None for v in (hargs.min_num_proc, hargs.max_num_proc,
+                                          host_discovery_script))
+    if hargs.num_proc is None and not elastic:
+        hargs.num_proc = 1  # horovod.run's default
+    hargs.slots = slots
+    hargs.reset_limit = reset_limit
+    hargs.cooldown_range = list(cooldown_range) if cooldown_range is not None else None
+    hargs.hosts = hosts
+    hargs.hostfile = hostfile
+    hargs.host_discovery_script = host_discovery_script
+    hargs.start_timeout = start_timeout
+    hargs.ssh_port = ssh_port
+    hargs.ssh_identity_file = ssh_identity_file
+    hargs.disable_cache = bool(disable_cache)
+    hargs.output_filename = output_filename
+    hargs.verbose = bool(verbose)
+    hargs.use_gloo = bool(use_gloo)
+    hargs.use_mpi = bool(use_mpi)
+    hargs.mpi_args = mpi_args
+    hargs.nics = _nic_list(network_interfaces, network_interface)
+    try:
+        check_args(hargs, need_command=False)
+    except UsageError as e:
+        raise ValueError(str(e)) from None
+    if hargs.elastic:
+        raise ValueError("elastic mode is not available yet "
+                         "(min_num_proc/max_num_proc/host_discovery_script)")
+    if hargs.use_mpi:
+        raise ValueError("use_mpi is not available yet; use use_gloo (the default)")
+
+    slots_info = assign_slots(hargs.host_list, hargs.num_proc)
+    try:
+        check_spawnable(slots_info)
+    except LaunchError as e:
+        raise ValueError(str(e)) from None
+    payload = cloudpickle.dumps((func, tuple(args), dict(kwargs or {})))
+    env = dict(os.environ)
+    env.update(tuning_env(hargs))
+    spec = JobSpec(command=[executable or sys.executable, "-m", "hvdlite.runner.run_task"],
+                   slots=slots_info, env=env, start_timeout=hargs.start_timeout,
+                   nics=hargs.nics, output_filename=output_filename, verbose=hargs.verbose,
+                   name=_API_NAME)
+    rendezvous = Rendezvous(slots_info, hargs.start_timeout)
+    rendezvous.put_signed(FUNC_KEY, payload)
+    result = run_job(spec, rendezvous)
+
+    def outcome(rank: int) -> Optional[tuple[str, Any]]:
+        data = rendezvous.get_signed(result_key(rank))
+        return None if data is None else cloudpickle.loads(data)
+
+    if result.interrupted_by is not None:
+        if result.interrupted_by == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(result.exit_code)
+    if result.exit_code != 0:
+        failed = result.failed_rank if result.failed_rank is not None else 0
+        ranks = [failed] + [r for r in range(hargs.num_proc) if r != failed]
+        for rank in ranks:
+            got = outcome(rank)
+            if got is not None and got[0] == "error":
+                raise RuntimeError(f"rank {rank} raised an exception:\n{got[1]}")
+        code = result.returncodes.get(failed)
+        how = exit_description(code) if code is not None else "could not be started"
+        raise RuntimeError(f"rank {failed} {how} before returning a result")
+    values: list[Any] = []
+    for rank in range(hargs.num_proc):
+        got = outcome(rank)
+        if got is None:
+            raise RuntimeError(f"rank {rank} exited with code 0 without returning a result")
+        values.append(got[1])
+    return values

@@ -1,0 +1,302 @@
+"""The driver: serves the rendezvous store, starts every rank, watches them, stops them together.
+
+Both `hvdlite-run` and `hvdlite.runner.run` go through `Rendezvous` + `run_job`, so a failing
+rank, Ctrl-C and cleanup behave the same in either. The rules:
+
+- the first rank that exits non-zero (or dies by a signal) is the cause: it is reported in one
+  line, every other rank is stopped (SIGTERM to its process group, SIGKILL after a grace period),
+  and the job's exit code is that rank's (128+N for signal N). Exits caused by our own SIGTERM are
+  never reported as the cause;
+- SIGINT/SIGTERM to the driver stop every rank the same way; a second signal skips the grace;
+- nothing started by a rank's process group outlives the job.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hvdlite.runner import secret
+from hvdlite.runner.hosts import SlotInfo, is_local_host
+from hvdlite.runner.local import LaunchError, Spawner, spawner_for
+from hvdlite.runner.output import Console, RankOutput
+from hvdlite.runner.worker_env import rank_env
+
+TERMINATE_GRACE_S = 5.0
+
+
+@dataclass
+class JobSpec:
+    """What to run, where, and how to present it."""
+
+    command: list[str]
+    slots: list[SlotInfo]
+    env: dict[str, str]                 # base environment of every rank (caller's + tuning)
+    start_timeout: int = 30
+    nics: Optional[list[str]] = None
+    output_filename: Optional[str] = None
+    prefix_timestamp: bool = False
+    verbose: bool = False
+    name: str = "hvdlite-run"           # prefix of the driver's own messages
+
+
+@dataclass
+class JobResult:
+    exit_code: int
+    failed_rank: Optional[int] = None   # the rank reported as the cause
+    interrupted_by: Optional[int] = None  # signal that stopped the driver
+    returncodes: dict[int, Optional[int]] = field(default_factory=dict)
+
+
+def _driver_address() -> str:
+    """Address other hosts can reach the store at (multi-host jobs)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class Rendezvous:
+    """The c10d TCPStore the driver serves; workers (and `run`'s payloads) meet there."""
+
+    def __init__(self, slots: list[SlotInfo], timeout_s: int) -> None:
+        from torch.distributed import TCPStore  # imported here: torch is slow to import
+
+        all_local = all(is_local_host(s.hostname) for s in slots)
+        bind = "127.0.0.1" if all_local else "0.0.0.0"
+        self.store = TCPStore(host_name=bind, port=0, world_size=None, is_master=True,
+                              wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=max(timeout_s, 30)))
+        self.port: int = int(self.store.port)
+        self.addr: str = "127.0.0.1" if all_local else _driver_address()
+        self.key: bytes = secret.make_key()
+
+    def put_signed(self, key: str, data: bytes) -> None:
+        self.store.set(key, secret.sign(self.key, data))
+
+    def get_signed(self, key: str) -> Optional[bytes]:
+        """The verified value under `key`, or None when no worker wrote it."""
+        if not self.store.check([key]):
+            return None
+        return secret.verify(self.key, self.store.get(key))
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_has_live_members(pgid: int) -> bool:
+    """True while a non-zombie process of the group `pgid` exists."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    import psutil
+
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (OSError, psutil.Error):
+            continue
+    return False
+
+
+def exit_description(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = str(-returncode)
+        return f"was killed by signal {name}"
+    return f"exited with code {returncode}"
+
+
+def shell_exit_code(returncode: int) -> int:
+    """Exit code for the driver: the rank's code, or 128+N when it died from signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class _Rank:
+    def __init__(self, slot: SlotInfo, proc: Any, output: RankOutput) -> None:
+        self.slot = slot
+        self.proc = proc
+        self.output = output
+        self.pgid: int = proc.pid  # start_new_session: the rank leads its own group
+        self.returncode: Optional[int] = None
+        self.done = threading.Event()
+
+
+class _Job:
+    def __init__(self, spec: JobSpec, rendezvous: Rendezvous, console: Optional[Console]) -> None:
+        self.spec = spec
+        self.rdv = rendezvous
+        self.console = console or Console()
+        self.events: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
+        self.ranks: list[_Rank] = []
+
+    # -- signals ---------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.events.put(("signal", signum))  # SimpleQueue.put is safe in a signal handler
+
+    def _install_handlers(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}  # only the main thread may own handlers; cleanup still runs in `finally`
+        previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, self._on_signal)
+        return previous
+
+    @staticmethod
+    def _restore_handlers(previous: dict[int, Any]) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def run(self) -> JobResult:
+        spawners = [spawner_for(s.hostname) for s in self.spec.slots]  # fail before starting
+        if self.spec.output_filename:
+            try:
+                os.makedirs(self.spec.output_filename, exist_ok=True)
+            except OSError as e:
+                raise LaunchError(f"--output-filename {self.spec.output_filename}: "
+                                  f"{e.strerror}") from None
+        if self.spec.verbose:
+            self.console.message(f"{self.spec.name}: rendezvous store at "
+                                 f"{self.rdv.addr}:{self.rdv.port}")
+        previous = self._install_handlers()
+        try:
+            result = self._start(spawners)
+            if result is None:
+                result = self._monitor()
+        finally:
+            self._stop()
+            self._sweep_groups(time.monotonic() + TERMINATE_GRACE_S)
+            self._restore_handlers(previous)
+            for r in self.ranks:
+                r.output.join(2.0)
+        result.returncodes = {r.slot.rank: r.returncode for r in self.ranks}
+        return result
+
+    def _start(self, spawners: list[Spawner]) -> Optional[JobResult]:
+        spec = self.spec
+        secret_hex = self.rdv.key.hex()
+        for slot, spawn in zip(spec.slots, spawners):
+            env = rank_env(slot, spec.env, self.rdv.addr, self.rdv.port, spec.start_timeout,
+                           secret_hex, spec.nics)
+            if spec.verbose:
+                self.console.message(
+                    f"{spec.name}: starting rank {slot.rank} on {slot.hostname} (local_rank "
+                    f"{slot.local_rank}/{slot.local_size}, cross_rank "
+                    f"{slot.cross_rank}/{slot.cross_size}): {' '.join(spec.command)}")
+            try:
+                proc = spawn(slot, spec.command, env)
+            except OSError as e:
+                self.console.message(f"{spec.name}: cannot start rank {slot.rank} on host "
+                                     f"{slot.hostname}: {spec.command[0]}: {e.strerror}")
+                return JobResult(exit_code=127 if isinstance(e, FileNotFoundError) else 126,
+                                 failed_rank=slot.rank)
+            try:
+                output = RankOutput(slot.rank, slot.size, proc.stdout, proc.stderr, self.console,
+                                    spec.output_filename, spec.prefix_timestamp)
+            except OSError as e:
+                _killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                self.console.message(f"{spec.name}: cannot write the output of rank {slot.rank} "
+                                     f"under {spec.output_filename}: {e}")
+                return JobResult(exit_code=2, failed_rank=slot.rank)
+            rank = _Rank(slot, proc, output)
+            self.ranks.append(rank)
+            threading.Thread(target=self._wait, args=(rank,), daemon=True,
+                             name=f"hvdlite-wait-{slot.rank}").start()
+        return None
+
+    def _wait(self, rank: _Rank) -> None:
+        rank.returncode = rank.proc.wait()
+        rank.done.set()
+        self.events.put(("exit", rank))
+
+    def _monitor(self) -> JobResult:
+        exited = 0
+        while exited < len(self.ranks):
+            try:
+                kind, obj = self.events.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if kind == "signal":
+                stopped = self._stop()
+                self.console.message(f"{self.spec.name}: interrupted, stopped {stopped} ranks")
+                return JobResult(exit_code=128 + obj, interrupted_by=obj)
+            exited += 1
+            rank: _Rank = obj
+            if rank.returncode != 0:
+                rank.output.join(1.0)  # let its last lines (a traceback) come out first
+                self.console.message(
+                    f"{self.spec.name}: rank {rank.slot.rank} (host {rank.slot.hostname}, "
+                    f"pid {rank.proc.pid}) {exit_description(rank.returncode)}")
+                self._stop()
+                return JobResult(exit_code=shell_exit_code(rank.returncode),
+                                 failed_rank=rank.slot.rank)
+        return JobResult(exit_code=0)
+
+    def _stop(self) -> int:
+        """SIGTERM every live rank's group, SIGKILL what is left after the grace period (or at
+        once on a second signal). Returns how many ranks were still running."""
+        live = [r for r in self.ranks if not r.done.is_set()]
+        if not live:
+            return 0
+        for r in live:
+            _killpg(r.pgid, signal.SIGTERM)
+        deadline = time.monotonic() + TERMINATE_GRACE_S
+        while any(not r.done.is_set() for r in live):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                kind, _ = self.events.get(timeout=min(0.1, remaining))
+            except queue.Empty:
+                continue
+            if kind == "signal":
+                break  # asked twice: do not wait any longer
+        for r in live:
+            if not r.done.is_set():
+                _killpg(r.pgid, signal.SIGKILL)
+        for r in live:
+            r.done.wait(10.0)
+        self._sweep_groups(deadline)
+        return len(live)
+
+    def _sweep_groups(self, grace_until: float) -> None:
+        """Stop what the ranks left behind in their process groups (orphaned children)."""
+        groups = [r.pgid for r in self.ranks if r.done.is_set() and _group_has_live_members(r.pgid)]
+        if not groups:
+            return
+        for pgid in groups:
+            _killpg(pgid, signal.SIGTERM)
+        while time.monotonic() < grace_until and any(_group_has_live_members(g) for g in groups):
+            time.sleep(0.05)
+        for pgid in groups:
+            _killpg(pgid, signal.SIGKILL)
+
+
+def run_job(spec: JobSpec, rendezvous: Rendezvous, console: Optional[Console] = None) -> JobResult:
+    """Start every rank of `spec` against `rendezvous` and return when the job is over."""
+    return _Job(spec, rendezvous, console).run()
+
+
+def check_spawnable(slots: list[SlotInfo]) -> None:
+    """Raise LaunchError naming the first host no spawner can reach (before anything starts)."""
+    for host in dict.fromkeys(s.hostname for s in slots):
+        spawner_for(host)
+

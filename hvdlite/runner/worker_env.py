@@ -1,0 +1,42 @@
+"""The environment contract between the launcher and a worker.
+
+Every rank gets the caller's full environment, the tuning variables from the flags, and the
+variables below. Each coordinate is exported under hvdlite's name and under the name that
+`horovodrun --gloo` uses, so Horovod-era code that reads `HOROVOD_RANK` keeps working.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence
+
+from hvdlite.runner.hosts import SlotInfo
+from hvdlite.runner.secret import SECRET_ENV
+
+# per-rank coordinates: exported as HVDLITE_<name> and HOROVOD_<name>
+COORDINATES = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "HOSTNAME")
+
+
+def rank_env(slot: SlotInfo, base_env: Mapping[str, str], store_addr: str, store_port: int,
+             start_timeout: int, secret_hex: str,
+             nics: Optional[Sequence[str]] = None) -> dict[str, str]:
+    """Full environment for the rank described by `slot`."""
+    env = dict(base_env)
+    # Ranks write into pipes; without this, Python buffers their prints until exit and a crashed
+    # rank's last words are lost. A caller's explicit choice is kept.
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    values = {
+        "RANK": slot.rank, "SIZE": slot.size,
+        "LOCAL_RANK": slot.local_rank, "LOCAL_SIZE": slot.local_size,
+        "CROSS_RANK": slot.cross_rank, "CROSS_SIZE": slot.cross_size,
+        "HOSTNAME": slot.hostname,
+    }
+    for name in COORDINATES:
+        env[f"HVDLITE_{name}"] = env[f"HOROVOD_{name}"] = str(values[name])
+    env["HVDLITE_STORE_ADDR"] = env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] = store_addr
+    env["HVDLITE_STORE_PORT"] = env["HOROVOD_GLOO_RENDEZVOUS_PORT"] = str(store_port)
+    env["HVDLITE_START_TIMEOUT"] = env["HOROVOD_START_TIMEOUT"] = str(start_timeout)
+    env["HOROVOD_CONTROLLER"] = "gloo"
+    env["HOROVOD_CPU_OPERATIONS"] = "gloo"
+    if nics:
+        env["HVDLITE_GLOO_IFACE"] = env["HOROVOD_GLOO_IFACE"] = nics[0]
+    env[SECRET_ENV] = secret_hex
+    return env
