@@ -55,8 +55,10 @@ def main():
     torch.set_num_threads(1)
 
     x, y = make_spirals(args.samples, seed=args.seed)
-    # Shard the data set by rank, as torch's DistributedSampler would.
-    x_local, y_local = x[hvd.rank()::hvd.size()], y[hvd.rank()::hvd.size()]
+    # Shard the data set by rank, as torch's DistributedSampler would, dropping the remainder so
+    # every rank runs the same number of steps (otherwise see hvd.join()).
+    n = len(x) - len(x) % hvd.size()
+    x_local, y_local = x[hvd.rank():n:hvd.size()], y[hvd.rank():n:hvd.size()]
 
     model = Net()
     # Scale the learning rate by the number of ranks (Horovod's recipe).

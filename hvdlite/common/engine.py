@@ -198,7 +198,9 @@ class Engine:
             timeout = 0.5
             if self._queue:
                 left = self.cycle_s - (time.monotonic() - self._last_send)
-                if left <= 0:
+                # The cycle time batches tensors that arrive while earlier ones are still being
+                # negotiated or reduced; with nothing outstanding, waiting only adds latency.
+                if left <= 0 or len(self._inflight) == len(self._queue):
                     self._send_queued()
                 else:
                     timeout = left

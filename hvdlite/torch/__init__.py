@@ -11,6 +11,10 @@ from ..common.process_sets import ProcessSet, global_process_set
 from . import mpi_ops as _mpi_ops
 from .compression import Compression
 from .mpi_ops import *  # noqa: F401,F403
+from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
+                        broadcast_parameters)
+from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNorm
 
 
 def init(comm=None, process_sets=None) -> None:

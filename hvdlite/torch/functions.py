@@ -1,0 +1,187 @@
+"""Horovod's torch helpers: broadcast model parameters, optimizer state and arbitrary objects, and
+allgather objects (horovod/torch/functions.py)."""
+from __future__ import annotations
+
+import collections
+import io
+from collections.abc import Iterable
+
+import cloudpickle
+import torch
+
+from ..common import basics as _basics
+from .mpi_ops import (allgather, broadcast_, broadcast_async_, global_process_set,
+                      synchronize)
+
+
+def broadcast_parameters(params, root_rank, prefix=None):
+    """Broadcast tensors in place from `root_rank` to every other rank.
+
+    `params` is a dict (e.g. `model.state_dict()`, broadcast in sorted key order), or a list of
+    `(name, tensor)` pairs (`model.named_parameters()`) or of tensors (`model.parameters()`).
+    Names become the collectives' names (prefixed by `prefix` when given) and must be the same on
+    every rank; unnamed tensors get names from the calling line.
+    """
+    if isinstance(params, dict):
+        params = sorted(params.items())
+    elif isinstance(params, list):
+        # Both named_parameters() and plain parameters().
+        params = [p if isinstance(p, tuple) else (None, p) for p in params]
+    elif isinstance(params, Iterable) and not isinstance(params, (str, bytes, torch.Tensor)):
+        params = [p if isinstance(p, tuple) else (None, p) for p in params]
+    else:
+        raise ValueError("invalid params of type: %s" % type(params))
+
+    handles = []
+    for i, (name, p) in enumerate(params):
+        if prefix is not None:
+            name = f"{prefix}{name if name is not None else f'noname.{i}'}"
+        handles.append(broadcast_async_(p, root_rank, name))
+    for handle in handles:
+        synchronize(handle)
+
+
+def broadcast_optimizer_state(optimizer, root_rank, model=None):
+    """Broadcast an optimizer's state (tensors in place, scalars and group options by pickling)
+    from `root_rank` to every other rank.
+
+    An optimizer whose state is still empty is first initialised with one step on zero gradients
+    (Horovod's algorithm). That step can move weights (weight decay); pass `model` to have its
+    parameters put back to their values from before that step.
+    """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        # L-BFGS state is deeply nested and holds None values; Horovod does not support it.
+        raise ValueError("cannot broadcast torch.optim.LBFGS state")
+
+    state_dict = optimizer.state_dict()
+
+    # A new optimizer has no state yet: create it with a step on zero gradients.
+    if len(state_dict["state"]) == 0:
+        saved = None
+        if model is not None:
+            saved = [(p, p.detach().clone()) for p in model.parameters()]
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in state_dict["state"]:
+                    p.grad = p.data.new(p.size()).zero_()
+                    if isinstance(optimizer, torch.optim.SparseAdam):
+                        p.grad = p.grad.to_sparse()
+        # A DistributedOptimizer's own step() would allreduce every gradient, which deadlocks
+        # unless all ranks call it; use the wrapped optimizer's step.
+        if getattr(optimizer, "_hvd_distributed", False):
+            optimizer._hvd_base.step(optimizer)
+        else:
+            optimizer.step()
+        if saved is not None:
+            with torch.no_grad():
+                for p, value in saved:
+                    p.copy_(value)
+        state_dict = optimizer.state_dict()
+
+    # Still empty: a stateless optimizer, nothing to broadcast.
+    if len(state_dict["state"]) == 0:
+        return
+
+    params = []
+    scalars = {}
+    callbacks = {}
+    occurrences = collections.defaultdict(int)
+
+    # Scalars go together through broadcast_object (out of place), then callbacks put them back.
+    def _create_state_callback(pid, name):
+        def _assign_state(v):
+            state_dict["state"][pid][name] = v
+        return _assign_state
+
+    def _create_option_callback(index, option_key):
+        def _assign_option(v):
+            optimizer.param_groups[index][option_key] = v
+        return _assign_option
+
+    for index, group in enumerate(state_dict["param_groups"]):
+        # Options such as the learning rate.
+        for option_key, option_value in group.items():
+            if option_key == "params":
+                continue
+            key = "%s.%d" % (option_key, index)
+            scalars[key] = option_value
+            callbacks[key] = _create_option_callback(index, option_key)
+
+        # Per-parameter state, in the model's layer order.
+        for pid in group["params"]:
+            if pid not in state_dict["state"]:
+                # requires_grad is False: no state to broadcast.
+                continue
+            param_state = state_dict["state"][pid]
+            for name, p in param_state.items():
+                # The same state name appears once per parameter: number the occurrences.
+                occurrences[name] += 1
+                key = "%s.%d" % (str(name), occurrences[name])
+                if torch.is_tensor(p):
+                    params.append((key, p))
+                else:
+                    scalars[key] = p
+                    callbacks[key] = _create_state_callback(pid, name)
+
+    # state_dict() returns the optimizer's own state tensors, so this broadcast is in place.
+    broadcast_parameters(params, root_rank)
+
+    scalars = broadcast_object(scalars, root_rank)
+    for key, p in scalars.items():
+        callbacks[key](p)
+
+
+def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
+    """Pickle `obj` on `root_rank` (a global rank) and return it on every rank of `process_set`.
+
+    Typical use: `state = broadcast_object(optimizer.state_dict(), 0)`. The other ranks may pass
+    anything (e.g. None). `name` defaults to "broadcast_object" (Horovod used the object's type
+    name, so a non-root rank passing an object of another type hung).
+    """
+    if name is None:
+        name = "broadcast_object"
+
+    if _basics.rank() == root_rank:
+        b = io.BytesIO()
+        cloudpickle.dump(obj, b)
+        t = torch.ByteTensor(bytearray(b.getvalue()))
+        sz = torch.IntTensor([t.shape[0]])
+        broadcast_(sz, root_rank, name + ".sz", process_set)
+    else:
+        sz = torch.IntTensor([0])
+        broadcast_(sz, root_rank, name + ".sz", process_set)
+        t = torch.ByteTensor(sz.tolist()[0])
+
+    broadcast_(t, root_rank, name + ".t", process_set)
+
+    if _basics.rank() != root_rank:
+        buf = io.BytesIO(t.numpy().tobytes())
+        obj = cloudpickle.load(buf)
+    return obj
+
+
+def allgather_object(obj, name=None, process_set=global_process_set):
+    """Pickle `obj` on every rank of `process_set` and return the list of all of them, ordered by
+    rank within the set. `name` defaults to "allgather_object" (Horovod used the object's type
+    name, which hangs when ranks hold objects of different types)."""
+    if name is None:
+        name = "allgather_object"
+
+    b = io.BytesIO()
+    cloudpickle.dump(obj, b)
+    t = torch.ByteTensor(bytearray(b.getvalue()))
+    sz = torch.IntTensor([t.shape[0]])
+
+    sizes = allgather(sz, name=name + ".sz", process_set=process_set).numpy()
+    gathered = allgather(t, name=name + ".t", process_set=process_set).numpy()
+
+    def load(i):
+        start = int(sizes[:i].sum())
+        end = start + int(sizes[i])
+        return cloudpickle.load(io.BytesIO(gathered[start:end].tobytes()))
+
+    return [load(i) for i in range(len(sizes))]
+
+
+__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
+           "allgather_object"]

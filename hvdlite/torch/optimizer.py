@@ -1,0 +1,407 @@
+"""Horovod's `hvd.DistributedOptimizer` for PyTorch: allreduce every gradient as soon as autograd
+has accumulated it, and wait for all of them in `step()`.
+
+The wrapper is a dynamically created subclass of the user's optimizer class (same class name), so
+checkpoints and `isinstance` checks keep working, exactly as in Horovod.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+from contextlib import contextmanager
+
+import torch
+
+from ..common import basics as _basics
+from ..common.config import env
+from .compression import Compression
+from .mpi_ops import (Adasum, Average, allreduce_async_, global_process_set,
+                      grouped_allreduce_async_, sparse_allreduce_async, synchronize)
+
+
+def split_list(lst, n):
+    """Split `lst` into `n` chunks of nearly equal length (the first ones one longer)."""
+    d, r = divmod(len(lst), n)
+    return [lst[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
+
+
+def _remove_hooks(handles) -> None:
+    for h in handles:
+        h.remove()
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods copied into the dynamic subclass; `_hvd_base` is the user's optimizer class."""
+
+    _hvd_base = torch.optim.Optimizer
+    _hvd_distributed = True
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step=1,
+                 op=Average, gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
+                 process_set=global_process_set, defaults=None):
+        self._hvd_base.__init__(self, params)
+        if defaults is not None:
+            # Keep the user's defaults (Horovod would fall back to the class defaults), so that
+            # add_param_group() later behaves as on the wrapped optimizer.
+            self.defaults = dict(defaults)
+        self._compression = compression
+
+        # Wire names are Horovod's: "allreduce.<name>" for user-named parameters (Horovod's C++
+        # side prefixed the op type); the default names already read "allreduce.noname.<g>.<i>".
+        if named_parameters is not None:
+            named_parameters = list(named_parameters)
+            wire_prefix = "allreduce."
+        else:
+            named_parameters = [(f"allreduce.noname.{i}.{j}", v)
+                                for i, param_group in enumerate(self.param_groups)
+                                for j, v in enumerate(param_group["params"])]
+            wire_prefix = ""
+        if any(not isinstance(p, tuple) for p in named_parameters):
+            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                             "usually produced by model.named_parameters().")
+
+        dups = _DistributedOptimizer.find_duplicates([k for k, _ in named_parameters])
+        if len(dups) > 0:
+            raise ValueError("Parameter names in named_parameters must be unique. "
+                             "Found duplicates: %s" % ", ".join(sorted(dups)))
+
+        all_param_ids = {id(v) for param_group in self.param_groups
+                         for v in param_group["params"]}
+        named_param_ids = {id(v) for _, v in named_parameters}
+        unnamed_param_ids = all_param_ids - named_param_ids
+        if len(unnamed_param_ids):
+            raise ValueError("named_parameters was specified, but one or more model parameters "
+                             "were not named. Python object ids: "
+                             "%s" % ", ".join(str(i) for i in unnamed_param_ids))
+
+        named_sorted = sorted(named_parameters, key=lambda kv: kv[0])
+        self._parameter_names = {v: k for k, v in named_sorted}
+        self._wire_names = {v: wire_prefix + k for k, v in named_sorted}
+        self.backward_passes_per_step = backward_passes_per_step
+        self._allreduce_delay = {v: self.backward_passes_per_step for _, v in named_sorted}
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+
+        self._handles = {}
+        self._grad_accs = []
+        self._requires_update = set()
+        self._synchronized = False
+        self._should_synchronize = True
+
+        if groups is not None:
+            if not (isinstance(groups, list) or groups > 0):
+                raise ValueError("groups should be a non-negative integer or a list of list of "
+                                 "torch.Tensor.")
+            if isinstance(groups, list):
+                grouped_parameter_ids = set()
+                for group in groups:
+                    for p in group:
+                        if not isinstance(p, torch.Tensor):
+                            raise ValueError("groups must consist of torch.Tensor.")
+                        if id(p) in grouped_parameter_ids:
+                            raise ValueError("A parameter can only appear once in groups.")
+                        grouped_parameter_ids.add(id(p))
+        self._groups = groups
+        self._p_to_group = {}
+        self._group_counts = {}
+
+        if self.process_set.included() and (_basics.size() > 1 or env("ELASTIC") == "1"):
+            self._register_hooks()
+
+    def load_state_dict(self, *args, **kwargs):
+        self._handles = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        return self._hvd_base.load_state_dict(self, *args, **kwargs)
+
+    @staticmethod
+    def find_duplicates(lst):
+        seen = set()
+        dups = set()
+        for el in lst:
+            if el in seen:
+                dups.add(el)
+            seen.add(el)
+        return dups
+
+    def set_backward_passes_per_step(self, passes):
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+
+    def _register_hooks(self):
+        if self._groups is not None:
+            p_list = [p for param_group in self.param_groups for p in param_group["params"]
+                      if p.requires_grad]
+            # Every rank forms the groups in the parameter order of the set's first rank
+            # (Horovod used global rank 0, which is not a member of every process set).
+            from .functions import broadcast_object
+            root = self.process_set.ranks[0] if self.process_set.ranks else 0
+            p_list_names = [self._parameter_names.get(p) for p in p_list]
+            p_list_names = broadcast_object(p_list_names, root_rank=root,
+                                            process_set=self.process_set)
+            p_list = sorted(p_list,
+                            key=lambda p: p_list_names.index(self._parameter_names.get(p)))
+            if isinstance(self._groups, list):
+                p_groups = []
+                grouped_id = set()
+                p_list_ids = {id(p) for p in p_list}
+                for group in self._groups:
+                    p_groups.append([p for p in group if id(p) in p_list_ids])
+                    grouped_id.update(id(p) for p in p_groups[-1])
+                for p in p_list:
+                    if id(p) not in grouped_id:
+                        p_groups.append([p])
+            else:
+                p_groups = split_list(p_list, self._groups)
+            p_groups = [tuple(g) for g in p_groups if len(g) > 0]
+            for group in p_groups:
+                for p in group:
+                    self._p_to_group[p] = group
+                self._group_counts[group] = 0
+
+        for param_group in self.param_groups:
+            for p in param_group["params"]:
+                if p.requires_grad:
+                    self._requires_update.add(p)
+                    self._grad_accs.append(
+                        p.register_post_accumulate_grad_hook(self._make_hook(p)))
+        # The hooks hold the optimizer weakly; once it is gone (say, re-created with a new
+        # learning rate) its hooks are removed instead of submitting allreduces nobody waits on.
+        weakref.finalize(self, _remove_hooks, list(self._grad_accs))
+
+    def _scale_factors(self):
+        if self.op == Average:
+            # The engine applies the extra 1/size to postscale for Average, as Horovod's C++.
+            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        return 1.0, 1.0
+
+    def _allreduce_grad_async(self, p):
+        if p.grad is None:
+            # No gradient this step (unused parameter); another rank may have one, so every rank
+            # still submits the same tensor. (Cannot know here whether it would be sparse.)
+            p.grad = p.data.new(p.size()).zero_()
+
+        name = self._wire_names.get(p)
+        tensor = p.grad
+        if tensor.is_sparse:
+            if self.sparse_as_dense:
+                tensor = tensor.to_dense()
+            else:
+                return self._sparse_allreduce_grad_async(p, name)
+
+        tensor_compressed, ctx = self._compression.compress(tensor)
+        prescale_factor, postscale_factor = self._scale_factors()
+        handle = allreduce_async_(tensor_compressed, name=name, op=self.op,
+                                  prescale_factor=prescale_factor,
+                                  postscale_factor=postscale_factor,
+                                  process_set=self.process_set)
+        return handle, ctx
+
+    def _grouped_allreduce_grad_async(self, ps):
+        name = self._wire_names.get(ps[0])
+        # A sparse gradient inside an explicit group is reduced dense (written back sparse).
+        dense = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in ps]
+        tensors_compressed, ctxs = zip(*[self._compression.compress(t) for t in dense])
+        prescale_factor, postscale_factor = self._scale_factors()
+        handle = grouped_allreduce_async_(list(tensors_compressed), name=name, op=self.op,
+                                          prescale_factor=prescale_factor,
+                                          postscale_factor=postscale_factor,
+                                          process_set=self.process_set)
+        return handle, ctxs
+
+    def _sparse_allreduce_grad_async(self, p, name):
+        handle = sparse_allreduce_async(p.grad, name=name, op=self.op,
+                                        process_set=self.process_set)
+        return handle, None
+
+    def _make_hook(self, p):
+        ref = weakref.ref(self)
+
+        def hook(*ignore):
+            opt = ref()
+            if opt is None:
+                return
+            if p in opt._handles and opt._handles[p][0] is not None:
+                if opt._allreduce_delay[p] <= 0:
+                    raise AssertionError(
+                        "Gradients were computed more than backward_passes_per_step times "
+                        "before call to step(). Increase backward_passes_per_step to "
+                        "accumulate gradients locally.")
+            assert not p.grad.requires_grad
+            assert opt._allreduce_delay[p] > 0
+            handle, ctx = None, None
+            opt._allreduce_delay[p] -= 1
+            if opt._allreduce_delay[p] == 0:
+                if opt._groups is not None:
+                    group = opt._p_to_group[p]
+                    opt._group_counts[group] += 1
+                    if opt._group_counts[group] == len(group):
+                        handle, ctxs = opt._grouped_allreduce_grad_async(group)
+                        opt._handles[group] = (handle, ctxs)
+                        # Drop the placeholders left by the group's earlier hooks.
+                        for gp in group:
+                            opt._handles.pop(gp, None)
+                        opt._group_counts[group] = 0
+                        return
+                else:
+                    handle, ctx = opt._allreduce_grad_async(p)
+            opt._handles[p] = (handle, ctx)
+        return hook
+
+    @staticmethod
+    def _write_back(p, aggregated):
+        if p.grad.is_sparse:
+            if not aggregated.is_sparse:
+                # sparse_as_dense: back to sparse before the update.
+                aggregated = aggregated.to_sparse()
+            # Sparse tensors do not support set_; this is the equivalent.
+            p.grad.zero_().add_(aggregated)
+        else:
+            if aggregated.is_sparse:
+                aggregated = aggregated.to_dense()
+            p.grad.set_(aggregated)
+
+    def synchronize(self):
+        """Wait for every gradient allreduce and write the results into `p.grad`."""
+        if not self.process_set.included():
+            self._synchronized = True
+            return
+
+        completed = set()
+        for x in self._handles.keys():
+            if isinstance(x, tuple):
+                completed.update(x)
+            else:
+                completed.add(x)
+        missing_p = self._requires_update - completed
+        for p in missing_p:
+            self._handles[p] = self._allreduce_grad_async(p)
+
+        for p, (handle, ctx) in list(self._handles.items()):
+            if handle is None:
+                self._handles[p] = self._allreduce_grad_async(p)
+
+        for p, (handle, ctx) in self._handles.items():
+            if isinstance(p, tuple):
+                outputs = synchronize(handle)
+                for gp, output, gctx in zip(p, outputs, ctx):
+                    self._allreduce_delay[gp] = self.backward_passes_per_step
+                    self._write_back(gp, self._compression.decompress(output, gctx))
+                if self._groups is not None and self._group_counts[p] != 0:
+                    self._group_counts[p] = 0
+            else:
+                # A callable handle (sparse allreduce) returns the aggregated tensor itself.
+                output = handle() if callable(handle) else synchronize(handle)
+                self._allreduce_delay[p] = self.backward_passes_per_step
+                if self._groups is not None:
+                    group = self._p_to_group[p]
+                    if self._group_counts[group] != 0:
+                        self._group_counts[group] = 0
+                self._write_back(p, self._compression.decompress(output, ctx))
+        self._handles.clear()
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self):
+        """Make `step()` skip synchronization, after an explicit `synchronize()`:
+
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        """
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without "
+                              "optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training "
+                              "slowdown. You may want to consider using "
+                              "optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize()
+        self._synchronized = False
+        base_step = self._hvd_base.step
+        if getattr(base_step, "hooked", False):
+            # This class's own step is already wrapped by torch's step-hook/profiler wrapper;
+            # call the base implementation underneath it so step hooks run once.
+            base_step = base_step.__wrapped__
+        return base_step(self, closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
+                                 "but before optimizer.step() or optimizer.synchronize(). "
+                                 "This is prohibited as it can cause a race condition.")
+        return self._hvd_base.zero_grad(self, set_to_none)
+
+
+def DistributedOptimizer(optimizer, named_parameters=None,
+                         compression=Compression.none,
+                         backward_passes_per_step=1,
+                         op=Average,
+                         gradient_predivide_factor=1.0,
+                         num_groups=0, groups=None,
+                         sparse_as_dense=False,
+                         process_set=global_process_set):
+    """Wrap `optimizer` so that gradients are averaged (or summed) over the ranks of
+    `process_set` before every update.
+
+    Allreduces start from autograd hooks as soon as each gradient is ready and overlap the rest
+    of `loss.backward()`; `step()` waits for them. For gradient clipping call `synchronize()`
+    first and then `step()` inside `skip_synchronize()`.
+
+    Arguments (as Horovod 0.28):
+        named_parameters: (name, parameter) pairs naming the allreduces, usually
+            `model.named_parameters()`; default names are `allreduce.noname.<group>.<index>`.
+        compression: `Compression.none` or `Compression.fp16`.
+        backward_passes_per_step: backward passes accumulated locally before one allreduce.
+        op: `Average` (default) or `Sum` (`Adasum` is not available yet).
+        gradient_predivide_factor: with `Average`, scale by 1/f before the sum and f/size after.
+        num_groups: deprecated alias of `groups`.
+        groups: an int (split the parameters into that many groups) or a list of lists of
+            parameters; each group is reduced by one grouped allreduce once all of it is ready.
+        sparse_as_dense: reduce sparse gradients as dense tensors.
+        process_set: reduce only over the ranks of this process set.
+    """
+    if gradient_predivide_factor != 1.0:
+        if _basics.rocm_built():
+            raise ValueError("gradient_predivide_factor not supported yet with ROCm")
+        if op != Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` "
+                      "and will be removed in v0.23.0.", DeprecationWarning)
+        if groups is None:
+            groups = num_groups
+
+    if op == Adasum and _basics.size() > 1:
+        if process_set != global_process_set:
+            raise NotImplementedError("Adasum does not support non-global process sets yet.")
+        raise NotImplementedError("op=Adasum is not available yet in hvdlite")
+
+    base = optimizer.__class__
+    attrs = dict(_DistributedOptimizer.__dict__)
+    attrs["_hvd_base"] = base
+    cls = type(base.__name__, (base,), attrs)
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
+               op, gradient_predivide_factor, groups, sparse_as_dense, process_set,
+               defaults=getattr(optimizer, "defaults", None))
+
+
+__all__ = ["DistributedOptimizer"]

@@ -1,0 +1,598 @@
+"""hvd.DistributedOptimizer, every option, against a single-process reference (2 ranks).
+
+Every rank builds the whole global batch from a seeded generator and trains on its own slice;
+the reference model (same seed) trains in this process on the whole batch with the equivalent
+plain optimizer. After a few steps each rank's weights must equal the reference, and be
+identical on every rank. Prints "OK <check>" per check and "ALL DONE" at the end.
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hvdlite.torch as hvd
+import hvdlite.torch.optimizer as hopt
+
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+torch.set_num_threads(1)
+N_LOCAL = 4
+STEPS = 4
+
+# Record what the optimizer hands to the collectives (names, op, scale factors, process set).
+CALLS: list[dict] = []
+_orig_allreduce_async_ = hopt.allreduce_async_
+_orig_grouped_allreduce_async_ = hopt.grouped_allreduce_async_
+_orig_sparse_allreduce_async = hopt.sparse_allreduce_async
+
+
+def _rec_allreduce_async_(tensor, **kw):
+    CALLS.append(dict(kind="allreduce", **kw))
+    return _orig_allreduce_async_(tensor, **kw)
+
+
+def _rec_grouped_allreduce_async_(tensors, **kw):
+    CALLS.append(dict(kind="grouped", n=len(tensors), **kw))
+    return _orig_grouped_allreduce_async_(tensors, **kw)
+
+
+def _rec_sparse_allreduce_async(tensor, **kw):
+    CALLS.append(dict(kind="sparse", **kw))
+    return _orig_sparse_allreduce_async(tensor, **kw)
+
+
+hopt.allreduce_async_ = _rec_allreduce_async_
+hopt.grouped_allreduce_async_ = _rec_grouped_allreduce_async_
+hopt.sparse_allreduce_async = _rec_sparse_allreduce_async
+
+
+def make_model(seed=1):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def global_batch(step, salt=0, n_local=N_LOCAL):
+    g = torch.Generator().manual_seed(1000 * salt + step)
+    x = torch.randn(SIZE * n_local, 6, generator=g)
+    y = torch.randn(SIZE * n_local, 3, generator=g)
+    return x, y
+
+
+def local(t, n_local=N_LOCAL):
+    return t[RANK * n_local:(RANK + 1) * n_local]
+
+
+def assert_same_as(model, ref, **tol):
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), msg=lambda m: f"{name}: {m}", **tol)
+
+
+def assert_identical_across_ranks(model):
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = hvd.allgather(flat.unsqueeze(0), name="identical_check")
+    for r in range(SIZE):
+        assert torch.equal(gathered[r], flat), f"weights differ between rank {RANK} and {r}"
+
+
+def train_pair(make_opt, make_ref_opt, steps=STEPS, salt=0, ref_scale=1.0, dist_kwargs=None,
+               model_fn=make_model, loss_fn=F.mse_loss):
+    """Train the distributed model and the reference side by side; return both."""
+    model, ref = model_fn(), model_fn()
+    opt = hvd.DistributedOptimizer(make_opt(model), **(dist_kwargs or {}))
+    ref_opt = make_ref_opt(ref)
+    for step in range(steps):
+        x, y = global_batch(step, salt)
+        opt.zero_grad()
+        loss_fn(model(local(x)), local(y)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        (ref_scale * loss_fn(ref(x), y)).backward()
+        ref_opt.step()
+    return model, ref, opt
+
+
+def sgd(m, lr=0.1, momentum=0.9):
+    return torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum)
+
+
+CHECKS = []
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+@check
+def named_parameters_average():
+    CALLS.clear()
+    model, ref = make_model(), make_model()
+    base = sgd(model)
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    assert type(opt).__name__ == "SGD" and isinstance(opt, torch.optim.SGD)
+    assert type(opt) is not torch.optim.SGD
+    assert opt.param_groups[0]["lr"] == 0.1 and opt.param_groups[0]["momentum"] == 0.9
+    ref_opt = sgd(ref)
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        opt.zero_grad()
+        F.mse_loss(model(local(x)), local(y)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    assert_same_as(model, ref)
+    assert_identical_across_ranks(model)
+    names = {c["name"] for c in CALLS}
+    assert names == {f"allreduce.{n}" for n, _ in model.named_parameters()}, names
+    assert all(c["kind"] == "allreduce" and c["op"] == hvd.Average and c["prescale_factor"] == 1.0
+               and c["postscale_factor"] == 1.0 and c["process_set"] is hvd.global_process_set
+               for c in CALLS), CALLS
+    assert len(CALLS) == STEPS * 4, len(CALLS)
+
+
+@check
+def default_names_and_param_groups():
+    CALLS.clear()
+
+    def groups(m, cls=torch.optim.SGD):
+        return cls([{"params": m[0].parameters()},
+                    {"params": m[2].parameters(), "lr": 0.05}], lr=0.1, momentum=0.5)
+
+    model, ref, opt = train_pair(groups, groups)
+    assert_same_as(model, ref)
+    assert_identical_across_ranks(model)
+    names = {c["name"] for c in CALLS}
+    assert names == {"allreduce.noname.0.0", "allreduce.noname.0.1", "allreduce.noname.1.0",
+                     "allreduce.noname.1.1"}, names
+    # The user's defaults survive the wrapping (add_param_group uses them).
+    assert opt.defaults["lr"] == 0.1 and opt.defaults["momentum"] == 0.5
+
+
+@check
+def adam():
+    model, ref, _ = train_pair(lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+                               lambda m: torch.optim.Adam(m.parameters(), lr=0.01))
+    assert_same_as(model, ref)
+    assert_identical_across_ranks(model)
+
+
+@check
+def compression_fp16():
+    CALLS.clear()
+    model, ref, _ = train_pair(sgd, sgd, dist_kwargs=dict(
+        compression=hvd.Compression.fp16))
+    assert_same_as(model, ref, rtol=2e-3, atol=2e-3)
+    assert_identical_across_ranks(model)
+    assert CALLS and all(c["kind"] == "allreduce" for c in CALLS)
+    for p in model.parameters():
+        assert p.grad.dtype == torch.float32
+
+
+@check
+def op_sum():
+    CALLS.clear()
+    # Sum of every rank's mean loss gradient == SIZE x the global-batch mean loss gradient.
+    model, ref, _ = train_pair(lambda m: sgd(m, lr=0.05), lambda m: sgd(m, lr=0.05),
+                               ref_scale=float(SIZE), dist_kwargs=dict(op=hvd.Sum))
+    assert_same_as(model, ref)
+    assert_identical_across_ranks(model)
+    assert all(c["op"] == hvd.Sum and c["prescale_factor"] == 1.0
+               and c["postscale_factor"] == 1.0 for c in CALLS)
+
+
+@check
+def gradient_predivide_factor():
+    CALLS.clear()
+    model, ref, _ = train_pair(sgd, sgd, dist_kwargs=dict(gradient_predivide_factor=4.0))
+    assert_same_as(model, ref)
+    assert_identical_across_ranks(model)
+    assert CALLS and all(c["op"] == hvd.Average and c["prescale_factor"] == 0.25
+                         and c["postscale_factor"] == 4.0 for c in CALLS), CALLS[:2]
+    for op in (hvd.Sum, hvd.Min):
+        try:
+            hvd.DistributedOptimizer(sgd(make_model()), op=op, gradient_predivide_factor=2.0)
+        except ValueError as exc:
+            assert str(exc) == "gradient_predivide_factor not supported with op != Average"
+        else:
+            raise AssertionError("gradient_predivide_factor with op=Sum did not raise")
+
+
+@check
+def backward_passes_per_step_2():
+    for use_setter in (False, True):
+        model, ref = make_model(), make_model()
+        if use_setter:
+            opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+            opt.set_backward_passes_per_step(2)
+        else:
+            opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
+                                           backward_passes_per_step=2)
+        assert opt.backward_passes_per_step == 2
+        ref_opt = sgd(ref)
+        for step in range(3):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            for micro in range(2):
+                x, y = global_batch(10 * step + micro, salt=3)
+                F.mse_loss(model(local(x)), local(y)).backward()
+                if micro == 0:
+                    # Accumulating locally: nothing submitted yet.
+                    assert all(h is None for h, _ in opt._handles.values()), opt._handles
+                F.mse_loss(ref(x), y).backward()
+            opt.step()
+            ref_opt.step()
+        assert_same_as(model, ref)
+        assert_identical_across_ranks(model)
+
+
+@check
+def too_many_backward_passes():
+    model = make_model()
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    x, y = global_batch(0)
+    F.mse_loss(model(local(x)), local(y)).backward()
+    try:
+        F.mse_loss(model(local(x)), local(y)).backward()
+    except AssertionError as exc:
+        assert "Gradients were computed more than backward_passes_per_step times before call " \
+               "to step(). Increase backward_passes_per_step to accumulate gradients " \
+               "locally." in str(exc), str(exc)
+    else:
+        raise AssertionError("a second backward pass before step() did not raise")
+    opt.synchronize()
+    opt.zero_grad()
+    for bad in (0, -1):
+        try:
+            hvd.DistributedOptimizer(sgd(make_model()), backward_passes_per_step=bad)
+        except ValueError as exc:
+            assert str(exc) == "backward_passes_per_step must be > 0"
+        else:
+            raise AssertionError("backward_passes_per_step <= 0 did not raise")
+
+
+@check
+def groups_int_and_num_groups():
+    for kwargs in (dict(groups=2), dict(num_groups=2)):
+        CALLS.clear()
+        model, ref = make_model(), make_model()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
+                                           **kwargs)
+        if "num_groups" in kwargs:
+            assert any(issubclass(w.category, DeprecationWarning) and "num_groups" in
+                       str(w.message) for w in caught), [str(w.message) for w in caught]
+        ref_opt = sgd(ref)
+        for step in range(STEPS):
+            x, y = global_batch(step, salt=4)
+            opt.zero_grad()
+            F.mse_loss(model(local(x)), local(y)).backward()
+            keys = list(opt._handles)
+            assert len(keys) == 2 and all(isinstance(k, tuple) and len(k) == 2 for k in keys), \
+                keys
+            opt.step()
+            ref_opt.zero_grad()
+            F.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+        assert_same_as(model, ref)
+        assert_identical_across_ranks(model)
+        assert CALLS and all(c["kind"] == "grouped" and c["n"] == 2 for c in CALLS), CALLS[:3]
+        # Parameters are split in rank 0's parameter order: 0.weight,0.bias | 2.weight,2.bias;
+        # a group is named after its first parameter.
+        firsts = {c["name"] for c in CALLS}
+        assert firsts == {"allreduce.0.weight", "allreduce.2.weight"}, firsts
+
+
+@check
+def groups_list():
+    CALLS.clear()
+    model, ref = make_model(), make_model()
+    group = [model[0].weight, model[2].weight]
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
+                                   groups=[group])
+    ref_opt = sgd(ref)
+    for step in range(STEPS):
+        x, y = global_batch(step, salt=5)
+        opt.zero_grad()
+        F.mse_loss(model(local(x)), local(y)).backward()
+        sizes = sorted(len(k) for k in opt._handles)
+        assert sizes == [1, 1, 2], sizes
+        opt.step()
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    assert_same_as(model, ref)
+    assert_identical_across_ranks(model)
+    assert sorted(c["n"] for c in CALLS[:3]) == [1, 1, 2]
+    for bad, msg in ((-1, "groups should be a non-negative integer or a list of list of "
+                          "torch.Tensor."),
+                     ([[1.0]], "groups must consist of torch.Tensor."),
+                     ([[model[0].weight], [model[0].weight]],
+                      "A parameter can only appear once in groups.")):
+        try:
+            hvd.DistributedOptimizer(sgd(make_model()), groups=bad)
+        except ValueError as exc:
+            assert str(exc) == msg, str(exc)
+        else:
+            raise AssertionError(f"groups={bad!r} did not raise")
+
+
+class EmbedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 4, sparse=True)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, idx):
+        return self.fc(self.emb(idx).mean(1))
+
+
+def make_embed():
+    torch.manual_seed(7)
+    return EmbedNet()
+
+
+@check
+def sparse_gradients():
+    for sparse_as_dense in (False, True):
+        CALLS.clear()
+        model, ref = make_embed(), make_embed()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2),
+                                       named_parameters=model.named_parameters(),
+                                       sparse_as_dense=sparse_as_dense)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2)
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(500 + step)
+            # Each rank looks up different rows (some rows only on one rank, some on both).
+            idx = torch.randint(0, 20, (SIZE * N_LOCAL, 3), generator=g)
+            y = torch.randn(SIZE * N_LOCAL, 3, generator=g)
+            opt.zero_grad()
+            F.mse_loss(model(local(idx)), local(y)).backward()
+            assert model.emb.weight.grad.is_sparse
+            opt.step()
+            assert model.emb.weight.grad.is_sparse
+            ref_opt.zero_grad()
+            F.mse_loss(ref(idx), y).backward()
+            ref_opt.step()
+        assert_same_as(model, ref)
+        assert_identical_across_ranks(model)
+        kinds = {c["name"]: c["kind"] for c in CALLS}
+        expected = "allreduce" if sparse_as_dense else "sparse"
+        assert kinds["allreduce.emb.weight"] == expected, kinds
+        assert kinds["allreduce.fc.weight"] == "allreduce", kinds
+
+
+@check
+def synchronize_clip_skip_synchronize():
+    model, ref = make_model(), make_model()
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    ref_opt = sgd(ref)
+    for step in range(STEPS):
+        x, y = global_batch(step, salt=6)
+        opt.zero_grad()
+        F.mse_loss(model(local(x)), local(y)).backward()
+        opt.synchronize()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with opt.skip_synchronize():
+                opt.step()
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        torch.testing.assert_close(norm, ref_norm)
+        assert ref_norm > 0.05  # clipping really happened
+        ref_opt.step()
+    assert_same_as(model, ref)
+    assert_identical_across_ranks(model)
+
+    # step() after synchronize() without skip_synchronize(): Horovod's warning.
+    x, y = global_batch(99, salt=6)
+    opt.zero_grad()
+    F.mse_loss(model(local(x)), local(y)).backward()
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    assert any("optimizer.step() called without optimizer.skip_synchronize() context after "
+               "optimizer.synchronize()" in str(w.message) for w in caught), \
+        [str(w.message) for w in caught]
+    assert_identical_across_ranks(model)
+
+
+@check
+def zero_grad_guard():
+    model = make_model()
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    x, y = global_batch(0)
+    F.mse_loss(model(local(x)), local(y)).backward()
+    try:
+        opt.zero_grad()
+    except AssertionError as exc:
+        assert str(exc) == ("optimizer.zero_grad() was called after loss.backward() but before "
+                            "optimizer.step() or optimizer.synchronize(). This is prohibited as "
+                            "it can cause a race condition."), str(exc)
+    else:
+        raise AssertionError("zero_grad() with outstanding allreduces did not raise")
+    opt.synchronize()
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    opt.zero_grad(set_to_none=False)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(6, 8)
+        self.a = nn.Linear(8, 3)
+        self.b = nn.Linear(8, 3)
+        self.never = nn.Linear(8, 3)
+
+    def forward(self, x, use_b):
+        h = torch.tanh(self.body(x))
+        out = self.a(h)
+        return out + self.b(h) if use_b else out
+
+
+def make_two_heads():
+    torch.manual_seed(11)
+    return TwoHeads()
+
+
+@check
+def unused_parameters():
+    model, ref = make_two_heads(), make_two_heads()
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    ref_opt = sgd(ref)
+    never_before = model.never.weight.detach().clone()
+    for step in range(STEPS):
+        x, y = global_batch(step, salt=8)
+        opt.zero_grad()
+        # Head b only on rank 0; head "never" on no rank.
+        F.mse_loss(model(local(x), use_b=RANK == 0), local(y)).backward()
+        opt.step()
+        # Reference: the average of every rank's loss.
+        ref_opt.zero_grad()
+        loss = sum(F.mse_loss(ref(x[r * N_LOCAL:(r + 1) * N_LOCAL], use_b=r == 0),
+                              y[r * N_LOCAL:(r + 1) * N_LOCAL]) for r in range(SIZE)) / SIZE
+        loss.backward()
+        ref_opt.step()
+    assert_same_as(model, ref)
+    assert_identical_across_ranks(model)
+    assert torch.equal(model.never.weight.detach(), never_before)
+
+
+@check
+def load_state_dict_clears():
+    model, ref = make_model(), make_model()
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    ref_opt = sgd(ref)
+    for step in range(2):
+        x, y = global_batch(step, salt=9)
+        opt.zero_grad()
+        F.mse_loss(model(local(x)), local(y)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    saved = opt.state_dict()
+    x, y = global_batch(50, salt=9)
+    opt.zero_grad()
+    F.mse_loss(model(local(x)), local(y)).backward()
+    assert opt._handles
+    # Let the submitted allreduces finish before they are dropped.
+    handles = [h for h, _ in opt._handles.values()]
+    while not all(hvd.poll(h) for h in handles):
+        pass
+    for h in handles:
+        hvd.synchronize(h)
+    opt.load_state_dict(saved)
+    assert opt._handles == {}
+    assert all(v == 1 for v in opt._allreduce_delay.values())
+    opt.zero_grad()  # no outstanding handles any more
+    for p in model.parameters():
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"],
+                                   ref_opt.state[ref.get_parameter(
+                                       dict((id(q), n) for n, q in model.named_parameters())[
+                                           id(p)])]["momentum_buffer"])
+    for step in range(2, 4):
+        x, y = global_batch(step, salt=9)
+        opt.zero_grad()
+        F.mse_loss(model(local(x)), local(y)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    assert_same_as(model, ref)
+
+
+@check
+def validation_errors():
+    model = make_model()
+    named = list(model.named_parameters())
+    cases = [
+        (dict(named_parameters=[("w", named[0][1]), ("w", named[1][1]), ("x", named[2][1]),
+                                ("y", named[3][1])]),
+         ValueError, "Parameter names in named_parameters must be unique. Found duplicates: w"),
+        (dict(named_parameters=named[:3]), ValueError,
+         "named_parameters was specified, but one or more model parameters were not named. "
+         "Python object ids: "),
+        (dict(named_parameters=[p for _, p in named]), ValueError,
+         "named_parameters should be a sequence of tuples (name, parameter), usually produced "
+         "by model.named_parameters()."),
+        (dict(op=hvd.Adasum), NotImplementedError, "op=Adasum is not available yet in hvdlite"),
+    ]
+    for kwargs, exc_type, msg in cases:
+        try:
+            hvd.DistributedOptimizer(sgd(model), **kwargs)
+        except exc_type as exc:
+            assert str(exc).startswith(msg), (str(exc), msg)
+        else:
+            raise AssertionError(f"{kwargs} did not raise")
+
+
+@check
+def closure_and_wrapped_optimizer_untouched():
+    # step(closure) returns the closure's loss; the wrapped optimizer object is not modified.
+    model = make_model()
+    base = sgd(model)
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    assert type(base) is torch.optim.SGD
+    x, y = global_batch(0)
+    opt.zero_grad()
+    F.mse_loss(model(local(x)), local(y)).backward()
+    loss = opt.step(closure=lambda: torch.tensor(3.0))
+    assert float(loss) == 3.0
+    assert_identical_across_ranks(model)
+
+
+@check
+def recreated_optimizer():
+    # Wrapping the same model again (say, with a new learning rate): the dropped optimizer's
+    # hooks must not fire any more.
+    import gc
+    model, ref = make_model(), make_model()
+    opt = hvd.DistributedOptimizer(sgd(model, lr=0.5), named_parameters=model.named_parameters())
+    x, y = global_batch(0, salt=12)
+    F.mse_loss(model(local(x)), local(y)).backward()
+    opt.synchronize()
+    del opt
+    gc.collect()
+    model.zero_grad()
+    CALLS.clear()
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    ref_opt = sgd(ref)
+    for step in range(STEPS):
+        x, y = global_batch(step, salt=12)
+        opt.zero_grad()
+        F.mse_loss(model(local(x)), local(y)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    assert len(CALLS) == STEPS * 4, len(CALLS)
+    assert_same_as(model, ref)
+    assert_identical_across_ranks(model)
+
+
+failed = False
+for fn in CHECKS:
+    try:
+        fn()
+        print(f"OK {fn.__name__}", flush=True)
+    except Exception:
+        failed = True
+        print(f"FAIL {fn.__name__}", flush=True)
+        traceback.print_exc()
+        sys.stdout.flush()
+        break
+if failed:
+    sys.exit(1)
+print("ALL DONE", flush=True)
+hvd.shutdown()
