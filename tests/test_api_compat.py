@@ -1,0 +1,117 @@
+"""hvdlite.torch exposes Horovod 0.28's public names with the same signatures and defaults, so a
+Horovod script runs after changing only the import."""
+import inspect
+
+import pytest
+
+import hvdlite.torch as hvd
+
+# name -> Horovod 0.28's parameters (name=default), from horovod/torch/__init__.py & mpi_ops.py
+SIGNATURES = {
+    "init": "comm=None, process_sets=None",
+    "allreduce": "tensor, average=None, name=None, compression=Compression.none, op=None, "
+                 "prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set",
+    "allreduce_async": "tensor, average=None, name=None, op=None, prescale_factor=1.0, "
+                       "postscale_factor=1.0, process_set=global_process_set",
+    "allreduce_": "tensor, average=None, name=None, op=None, prescale_factor=1.0, "
+                  "postscale_factor=1.0, process_set=global_process_set",
+    "allreduce_async_": "tensor, average=None, name=None, op=None, prescale_factor=1.0, "
+                        "postscale_factor=1.0, process_set=global_process_set",
+    "grouped_allreduce": "tensors, average=None, name=None, compression=Compression.none, "
+                         "op=None, prescale_factor=1.0, postscale_factor=1.0, "
+                         "process_set=global_process_set",
+    "grouped_allreduce_async": "tensors, average=None, name=None, op=None, prescale_factor=1.0, "
+                               "postscale_factor=1.0, process_set=global_process_set",
+    "grouped_allreduce_": "tensors, average=None, name=None, op=None, prescale_factor=1.0, "
+                          "postscale_factor=1.0, process_set=global_process_set",
+    "grouped_allreduce_async_": "tensors, average=None, name=None, op=None, "
+                                "prescale_factor=1.0, postscale_factor=1.0, "
+                                "process_set=global_process_set",
+    "sparse_allreduce_async": "tensor, name, op, process_set=global_process_set",
+    "allgather": "tensor, name=None, process_set=global_process_set",
+    "allgather_async": "tensor, name=None, process_set=global_process_set",
+    "grouped_allgather": "tensors, name=None, process_set=global_process_set",
+    "grouped_allgather_async": "tensors, name=None, process_set=global_process_set",
+    "broadcast": "tensor, root_rank, name=None, process_set=global_process_set",
+    "broadcast_async": "tensor, root_rank, name=None, process_set=global_process_set",
+    "broadcast_": "tensor, root_rank, name=None, process_set=global_process_set",
+    "broadcast_async_": "tensor, root_rank, name=None, process_set=global_process_set",
+    "alltoall": "tensor, splits=None, name=None, process_set=global_process_set",
+    "alltoall_async": "tensor, splits=None, name=None, process_set=global_process_set",
+    "reducescatter": "tensor, name=None, compression=Compression.none, op=Average, "
+                     "process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0",
+    "reducescatter_async": "tensor, name=None, op=Average, process_set=global_process_set, "
+                           "prescale_factor=1.0, postscale_factor=1.0",
+    "grouped_reducescatter": "tensors, name=None, compression=Compression.none, op=Average, "
+                             "process_set=global_process_set, prescale_factor=1.0, "
+                             "postscale_factor=1.0",
+    "grouped_reducescatter_async": "tensors, name=None, op=Average, "
+                                   "process_set=global_process_set, prescale_factor=1.0, "
+                                   "postscale_factor=1.0",
+    "poll": "handle",
+    "synchronize": "handle",
+    "join": "device=-1",
+    "barrier": "process_set=global_process_set",
+    "broadcast_object": "obj, root_rank=0, name=None, process_set=global_process_set",
+    "allgather_object": "obj, name=None, process_set=global_process_set",
+    "start_timeline": "file_path, mark_cycles=False",
+    "DistributedOptimizer": "optimizer, named_parameters=None, compression=Compression.none, "
+                            "backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0, "
+                            "num_groups=0, groups=None, sparse_as_dense=False, "
+                            "process_set=global_process_set",
+    "SyncBatchNorm": "num_features, eps=1e-05, momentum=0.1, affine=True, "
+                     "track_running_stats=True",
+}
+
+NO_ARGS = ["shutdown", "is_initialized", "size", "local_size", "cross_size", "rank", "local_rank",
+           "cross_rank", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built",
+           "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
+           "rocm_built", "stop_timeline"]
+
+OTHER = ["Compression", "HorovodInternalError", "ProcessSet", "global_process_set",
+         "add_process_set", "remove_process_set", "broadcast_parameters",
+         "broadcast_optimizer_state", "Average", "Sum", "Adasum", "Min", "Max", "Product"]
+
+
+def _render(fn) -> str:
+    sig = inspect.signature(fn.__init__ if inspect.isclass(fn) else fn)
+    parts = []
+    for p in sig.parameters.values():
+        if p.name == "self":
+            continue
+        if p.default is inspect.Parameter.empty:
+            parts.append(p.name)
+            continue
+        d = p.default
+        if d is hvd.global_process_set:
+            text = "global_process_set"
+        elif d is hvd.Compression.none:
+            text = "Compression.none"
+        elif p.name == "op" and d == hvd.Average and d is not None:
+            text = "Average"
+        else:
+            text = repr(d)
+        parts.append(f"{p.name}={text}")
+    return ", ".join(parts)
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_signature_matches_horovod(name):
+    assert _render(getattr(hvd, name)) == SIGNATURES[name]
+
+
+@pytest.mark.parametrize("name", NO_ARGS + OTHER)
+def test_name_exists(name):
+    assert hasattr(hvd, name)
+
+
+def test_reduce_op_values_match_horovod():
+    assert (hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product) == (0, 1, 2, 3, 4, 5)
+
+
+def test_exceptions_are_importable_from_both_places():
+    import hvdlite
+    from hvdlite.common.exceptions import HorovodInternalError
+    assert hvd.HorovodInternalError is HorovodInternalError
+    assert issubclass(HorovodInternalError, RuntimeError)
+    assert hvdlite.HorovodInternalError is HorovodInternalError
