@@ -162,11 +162,9 @@ def init(comm=None, process_sets=None) -> None:
             return GlooCommunicator(store, f"{prefix}pg/{set_id}/", ranks.index(ident.rank),
                                     len(ranks), settings.gloo_timeout_s)
 
-        coordinator = state.coordinator
         state.engine = Engine(rank=ident.rank, size=ident.size, settings=settings,
                               channel=channel, comm_factory=comm_factory, set_ranks=set_ranks,
-                              timeline=timeline,
-                              on_exit=(lambda: coordinator.stop()) if coordinator else None)
+                              timeline=timeline)
         _state = state
         if not _atexit_registered:
             atexit.register(shutdown)
@@ -199,7 +197,9 @@ def shutdown() -> None:
         if state.engine is not None:
             state.engine.shutdown()
         if state.coordinator is not None:
-            state.coordinator.stop()
+            # Keep serving ranks that are still finishing (e.g. collectives in a process set
+            # without rank 0) until they shut down too, for a bounded time.
+            state.coordinator.finish(state.settings.shutdown_grace_s)
         if state.timeline is not None:
             state.timeline.close()
         for sid, ps in state.sets.items():

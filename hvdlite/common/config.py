@@ -64,6 +64,8 @@ class Settings:
     log_level: str = "WARNING"
     dynamic_process_sets: bool = False
     elastic: bool = False
+    # How long rank 0 keeps coordinating other ranks after its own shutdown().
+    shutdown_grace_s: float = 10.0
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -82,4 +84,5 @@ class Settings:
         s.log_level = (env("LOG_LEVEL") or s.log_level).upper()
         s.dynamic_process_sets = env_bool("DYNAMIC_PROCESS_SETS", False)
         s.elastic = env_bool("ELASTIC", False)
+        s.shutdown_grace_s = env_float("SHUTDOWN_GRACE_SECONDS", s.shutdown_grace_s)
         return s

@@ -103,6 +103,12 @@ class Coordinator:
         if threading.current_thread() is not self.thread:
             self.thread.join(timeout=10)
 
+    def finish(self, grace_s: float) -> None:
+        """Stop once every rank has shut down or disconnected, or after grace_s."""
+        if threading.current_thread() is not self.thread:
+            self.thread.join(grace_s)
+        self.stop()
+
     def _run(self) -> None:
         try:
             if self._handshake():

@@ -91,7 +91,7 @@ class Entry:
 class Engine:
     def __init__(self, *, rank: int, size: int, settings, channel: Channel,
                  comm_factory: Callable[[int, list], Any], set_ranks: dict[int, list],
-                 timeline=None, on_exit: Callable[[], None] | None = None):
+                 timeline=None):
         self.rank = rank
         self.size = size
         self.settings = settings
@@ -99,7 +99,6 @@ class Engine:
         self.comm_factory = comm_factory
         self.set_ranks = dict(set_ranks)
         self.timeline = timeline
-        self.on_exit = on_exit
         self.cycle_s = max(settings.cycle_time_ms, 0.0) / 1000.0
         self.cache = RankCache()
         self.executor = collectives.Executor(timeline)
@@ -181,14 +180,15 @@ class Engine:
             log.exception("hvdlite background thread failed")
             self._close(f"hvdlite background thread failed on rank {self.rank}: {exc!r}")
         finally:
+            # Closing the channel tells the coordinator this rank is gone (a crash, unless "S"
+            # was sent first).
+            self.channel.close()
             try:
                 self._sel.close()
                 self._wake_r.close()
                 self._wake_w.close()
             except OSError:
                 pass
-            if self.on_exit is not None:
-                self.on_exit()
 
     def _loop(self) -> None:
         while True:
