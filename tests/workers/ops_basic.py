@@ -1,0 +1,482 @@
+"""Every torch collective x every supported dtype x every reduce op, against local references.
+
+Usage: hvdlite-run -np N python ops_basic.py TMPDIR
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import time
+
+import torch
+
+import hvdlite.torch as hvd
+from ops_common import (ALL_DTYPES, REDUCE_OPS, SHAPES, all_inputs, check, expect_raises,
+                        finish, gen, log, my_rows, reduce_ref, same)
+
+TMP = sys.argv[1]
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+Error = (ValueError, RuntimeError, hvd.HorovodInternalError)
+
+
+def scales(dtype, op):
+    """(prescale, postscale) pairs whose results stay exact and within the dtype's range."""
+    if op == hvd.Product:
+        return [(1.0, 1.0), (1.0, 3.0)]
+    if dtype.is_floating_point:
+        return [(1.0, 1.0), (0.5, 0.25), (2.0, 3.0)]
+    return [(1.0, 1.0), (2.0, 3.0)]
+
+
+def value_range(op):
+    return (-2, 2) if op == hvd.Product else (-4, 4)
+
+
+def not_aliased(out, inp, what):
+    if out.numel() and inp.numel():
+        assert out.data_ptr() != inp.data_ptr(), f"{what}: output aliases the input"
+
+
+# ------------------------------------------------------------------ allreduce
+def allreduce_matrix(opname):
+    n = 0
+    op = REDUCE_OPS[opname]
+    for dtype, shape in itertools.product(ALL_DTYPES, SHAPES):
+        lo, hi = value_range(op)
+        for pre, post in scales(dtype, op):
+            salt = f"ar.{dtype}.{opname}.{shape}.{pre}.{post}"
+            x = gen(rank, shape, dtype, salt, lo, hi)
+            keep = x.clone()
+            ref = reduce_ref(all_inputs(size, shape, dtype, salt, lo, hi), op, pre, post)
+            # Alternate named and unnamed (call-site named) requests.
+            name = salt if n % 2 else None
+            y = hvd.allreduce(x, name=name, op=op, prescale_factor=pre, postscale_factor=post)
+            what = f"allreduce {dtype} {opname} shape={shape} pre={pre} post={post}"
+            same(y, ref, what)
+            same(x, keep, what + " (input modified)")
+            not_aliased(y, x, what)
+            n += 1
+    log(f"allreduce {opname}: {n} cases")
+
+
+def allreduce_variants():
+    for dtype in ALL_DTYPES:
+        for opname in ("Sum", "Average", "Min"):
+            op = REDUCE_OPS[opname]
+            shape = (3, 4, 5)
+            pre, post = (0.5, 3.0) if dtype.is_floating_point else (2.0, 3.0)
+            salt = f"arv.{dtype}.{opname}"
+            ref = reduce_ref(all_inputs(size, shape, dtype, salt), op, pre, post)
+            what = f"{dtype} {opname}"
+
+            x = gen(rank, shape, dtype, salt)
+            keep = x.clone()
+            h = hvd.allreduce_async(x, name=f"{salt}.async", op=op, prescale_factor=pre,
+                                    postscale_factor=post)
+            y = hvd.synchronize(h)
+            same(y, ref, "allreduce_async " + what)
+            same(x, keep, "allreduce_async input modified " + what)
+            not_aliased(y, x, "allreduce_async " + what)
+
+            x = gen(rank, shape, dtype, salt)
+            y = hvd.allreduce_(x, name=f"{salt}.inplace", op=op, prescale_factor=pre,
+                               postscale_factor=post)
+            assert y is x, "allreduce_ must return its argument"
+            same(x, ref, "allreduce_ " + what)
+
+            x = gen(rank, shape, dtype, salt)
+            h = hvd.allreduce_async_(x, op=op, prescale_factor=pre, postscale_factor=post)
+            y = hvd.synchronize(h)
+            same(x, ref, "allreduce_async_ " + what)
+            assert y.data_ptr() == x.data_ptr(), "allreduce_async_ result must be the input"
+
+            # A non-contiguous input is reduced by value.
+            xt = gen(rank, (5, 4, 3), dtype, salt + ".t").permute(2, 1, 0)
+            assert not xt.is_contiguous()
+            reft = reduce_ref([t.permute(2, 1, 0) for t in
+                               all_inputs(size, (5, 4, 3), dtype, salt + ".t")], op, pre, post)
+            y = hvd.allreduce(xt, op=op, prescale_factor=pre, postscale_factor=post)
+            same(y.contiguous(), reft, "allreduce non-contiguous " + what)
+
+    # Deprecated average= argument and default op (Average).
+    x = gen(rank, (6,), torch.float32, "avg")
+    xs = all_inputs(size, (6,), torch.float32, "avg")
+    same(hvd.allreduce(x, average=False), reduce_ref(xs, hvd.Sum), "average=False")
+    same(hvd.allreduce(x, average=True), reduce_ref(xs, hvd.Average), "average=True")
+    same(hvd.allreduce(x), reduce_ref(xs, hvd.Average), "default op")
+    expect_raises(ValueError, lambda: hvd.allreduce(x, average=True, op=hvd.Sum),
+                  "average and op together")
+    # In-place variants need contiguous tensors (Horovod: 'Tensor is required to be contiguous.').
+    xt = torch.zeros(4, 3).t()
+    expect_raises(ValueError, lambda: hvd.allreduce_(xt), "allreduce_ non-contiguous")
+    expect_raises(ValueError, lambda: hvd.allreduce_async_(xt), "allreduce_async_ non-contiguous")
+    # fp16 compression: a float32 tensor comes back float32 with the (exact) reduced values.
+    y = hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.fp16)
+    same(y, reduce_ref(xs, hvd.Sum), "allreduce Compression.fp16")
+
+
+def grouped_allreduce(opname):
+    shapes = [(), (7,), (3, 4, 5), (2, 2)]
+    op = REDUCE_OPS[opname]
+    for dtype in ALL_DTYPES:
+        if True:
+            lo, hi = value_range(op)
+            pre, post = (1.0, 3.0)
+            salt = f"gar.{dtype}.{opname}"
+            xs = [gen(rank, s, dtype, (salt, i), lo, hi) for i, s in enumerate(shapes)]
+            keep = [x.clone() for x in xs]
+            refs = [reduce_ref(all_inputs(size, s, dtype, (salt, i), lo, hi), op, pre, post)
+                    for i, s in enumerate(shapes)]
+            what = f"{dtype} {opname}"
+            ungrouped = [hvd.allreduce(x, op=op, prescale_factor=pre, postscale_factor=post)
+                         for x in xs]
+            ys = hvd.grouped_allreduce(xs, name=salt, op=op, prescale_factor=pre,
+                                       postscale_factor=post)
+            assert isinstance(ys, list) and len(ys) == len(xs)
+            for i, (y, u, r) in enumerate(zip(ys, ungrouped, refs)):
+                same(y, r, f"grouped_allreduce[{i}] " + what)
+                same(y, u, f"grouped_allreduce[{i}] vs allreduce " + what)
+                not_aliased(y, xs[i], f"grouped_allreduce[{i}] " + what)
+                same(xs[i], keep[i], f"grouped_allreduce input modified [{i}] " + what)
+            h = hvd.grouped_allreduce_async(xs, op=op, prescale_factor=pre, postscale_factor=post)
+            ys = hvd.synchronize(h)
+            for i, (y, r) in enumerate(zip(ys, refs)):
+                same(y, r, f"grouped_allreduce_async[{i}] " + what)
+            xs2 = [x.clone() for x in xs]
+            out = hvd.grouped_allreduce_(xs2, op=op, prescale_factor=pre, postscale_factor=post)
+            for i, (x, r) in enumerate(zip(xs2, refs)):
+                same(x, r, f"grouped_allreduce_[{i}] " + what)
+                assert out[i] is x
+            xs3 = [x.clone() for x in xs]
+            hvd.synchronize(hvd.grouped_allreduce_async_(xs3, name=salt + ".ai", op=op,
+                                                         prescale_factor=pre,
+                                                         postscale_factor=post))
+            for i, (x, r) in enumerate(zip(xs3, refs)):
+                same(x, r, f"grouped_allreduce_async_[{i}] " + what)
+
+
+# ------------------------------------------------------------------ allgather
+def gather_dims(base: int) -> list[int]:
+    return [base + r for r in range(size)]
+
+
+def allgather_all():
+    for dtype in ALL_DTYPES + [torch.bool]:
+        for tail in [(), (3, 2)]:
+            dims = gather_dims(1)
+            salt = f"ag.{dtype}.{tail}"
+            x = gen(rank, (dims[rank],) + tail, dtype, salt)
+            keep = x.clone()
+            ref = torch.cat([gen(r, (dims[r],) + tail, dtype, salt) for r in range(size)])
+            what = f"allgather {dtype} tail={tail}"
+            y = hvd.allgather(x, name=salt if tail else None)
+            same(y, ref, what)
+            same(x, keep, what + " input modified")
+            not_aliased(y, x, what)
+            y = hvd.synchronize(hvd.allgather_async(x))
+            same(y, ref, "allgather_async " + what)
+            # grouped: three tensors with different first dims per rank and per tensor
+            xs = [gen(rank, (dims[rank] + i,) + tail, dtype, (salt, i)) for i in range(3)]
+            refs = [torch.cat([gen(r, (dims[r] + i,) + tail, dtype, (salt, i))
+                               for r in range(size)]) for i in range(3)]
+            ys = hvd.grouped_allgather(xs, name=salt + ".g")
+            ungrouped = [hvd.allgather(t) for t in xs]
+            for i in range(3):
+                same(ys[i], refs[i], f"grouped_allgather[{i}] " + what)
+                same(ys[i], ungrouped[i], f"grouped_allgather[{i}] vs allgather " + what)
+            ys = hvd.synchronize(hvd.grouped_allgather_async(xs))
+            for i in range(3):
+                same(ys[i], refs[i], f"grouped_allgather_async[{i}] " + what)
+    # A rank that contributes no rows.
+    dims = [(r * 2) % 3 for r in range(size)]   # rank 0 contributes 0 rows
+    x = gen(rank, (dims[rank], 4), torch.float32, "ag.empty")
+    ref = torch.cat([gen(r, (dims[r], 4), torch.float32, "ag.empty") for r in range(size)])
+    same(hvd.allgather(x, name="ag.empty"), ref, "allgather with an empty contribution")
+
+
+def scalar_errors():
+    # 0-d tensors cannot be gathered, scattered or exchanged: a clear error on every rank.
+    s = torch.tensor(1.0)
+    expect_raises(Error, lambda: hvd.allgather_async(s), "allgather_async of a 0-d tensor")
+    expect_raises(Error, lambda: hvd.alltoall(s), "alltoall of a 0-d tensor")
+    expect_raises(Error, lambda: hvd.reducescatter(s), "reducescatter of a 0-d tensor")
+    expect_raises(Error, lambda: hvd.grouped_allgather([s]), "grouped_allgather of a 0-d tensor")
+    expect_raises(Error, lambda: hvd.allgather(s), "allgather of a 0-d tensor")
+
+
+# ------------------------------------------------------------------ broadcast
+def broadcast_all():
+    for dtype in ALL_DTYPES + [torch.bool]:
+        for shape in SHAPES:
+            for root in range(size):
+                salt = f"bc.{dtype}.{shape}.{root}"
+                x = gen(rank, shape, dtype, salt)
+                keep = x.clone()
+                ref = gen(root, shape, dtype, salt)
+                what = f"broadcast {dtype} shape={shape} root={root}"
+                y = hvd.broadcast(x, root, name=salt if root % 2 else None)
+                same(y, ref, what)
+                same(x, keep, what + " input modified")
+                not_aliased(y, x, what)
+                y = hvd.synchronize(hvd.broadcast_async(x, root_rank=root))
+                same(y, ref, "broadcast_async " + what)
+                same(x, keep, "broadcast_async input modified " + what)
+                x2 = x.clone()
+                y = hvd.broadcast_(x2, root)
+                assert y is x2
+                same(x2, ref, "broadcast_ " + what)
+                x3 = x.clone()
+                y = hvd.synchronize(hvd.broadcast_async_(x3, root, name=salt + ".ai"))
+                same(x3, ref, "broadcast_async_ " + what)
+    expect_raises(ValueError, lambda: hvd.broadcast_(torch.zeros(3, 2).t(), 0),
+                  "broadcast_ non-contiguous")
+
+
+# ------------------------------------------------------------------ alltoall
+def alltoall_all():
+    for dtype in ALL_DTYPES + [torch.bool]:
+        for tail in [(), (3, 2)]:
+            salt = f"a2a.{dtype}.{tail}"
+            what = f"alltoall {dtype} tail={tail}"
+            # Without splits: the first dim is split evenly.
+            x = gen(rank, (2 * size,) + tail, dtype, salt)
+            keep = x.clone()
+            ref = torch.cat([gen(j, (2 * size,) + tail, dtype, salt)[2 * rank:2 * rank + 2]
+                             for j in range(size)])
+            y = hvd.alltoall(x, name=salt)
+            same(y, ref, what)
+            same(x, keep, what + " input modified")
+            not_aliased(y, x, what)
+            out, rsplits = hvd.synchronize(hvd.alltoall_async(x))
+            same(out, ref, "alltoall_async " + what)
+            same(rsplits, torch.full((size,), 2, dtype=torch.int32), "alltoall_async splits")
+
+            # With uneven splits (including zeros): rank j sends splits[j][i] rows to rank i.
+            splits = [[(j + 2 * i) % 3 for i in range(size)] for j in range(size)]
+            inputs = [gen(j, (sum(splits[j]),) + tail, dtype, salt + ".s") for j in range(size)]
+            pieces = []
+            for j in range(size):
+                start = sum(splits[j][:rank])
+                pieces.append(inputs[j][start:start + splits[j][rank]])
+            ref = torch.cat(pieces)
+            ref_recv = [splits[j][rank] for j in range(size)]
+            for kind in ("list", "int32", "int64"):
+                sp = splits[rank]
+                if kind != "list":
+                    sp = torch.tensor(sp, dtype=getattr(torch, kind))
+                y, recv = hvd.alltoall(inputs[rank], splits=sp)
+                same(y, ref, f"alltoall splits as {kind} " + what)
+                want_dtype = torch.int32 if kind == "list" else getattr(torch, kind)
+                same(recv, torch.tensor(ref_recv, dtype=want_dtype),
+                     f"alltoall received splits ({kind}) " + what)
+            y, recv = hvd.synchronize(hvd.alltoall_async(inputs[rank], splits=splits[rank],
+                                                         name=salt + ".async"))
+            same(y, ref, "alltoall_async splits " + what)
+            same(recv, torch.tensor(ref_recv, dtype=torch.int32), "alltoall_async recv splits")
+
+
+def alltoall_bad_splits():
+    # Rank 0 passes splits that do not add up; every rank must get an error (no hang).
+    x = torch.arange(2 * size, dtype=torch.float32)
+    sp = [2] * size
+    if rank == 0:
+        sp = [3] * size
+    expect_raises(Error, lambda: hvd.alltoall(x, splits=sp, name="a2a.bad"),
+                  "alltoall with splits that do not sum to dim 0")
+    # The job keeps working afterwards.
+    y = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after.bad.splits")
+    same(y, torch.full((2,), float(size)), "allreduce after a failed alltoall")
+
+
+# ------------------------------------------------------------------ reducescatter
+def reducescatter_all():
+    shapes = [(2 * size + 1,), (size + 3, 2, 3), (1, 5)]   # never divisible; dim0 < size
+    for dtype, (opname, op) in itertools.product(ALL_DTYPES, REDUCE_OPS.items()):
+        lo, hi = value_range(op)
+        for shape in shapes:
+            for pre, post in scales(dtype, op)[-1:]:
+                salt = f"rs.{dtype}.{opname}.{shape}.{pre}.{post}"
+                x = gen(rank, shape, dtype, salt, lo, hi)
+                keep = x.clone()
+                full = reduce_ref(all_inputs(size, shape, dtype, salt, lo, hi), op, pre, post)
+                ref = my_rows(full, size, rank)
+                what = f"reducescatter {dtype} {opname} shape={shape} pre={pre} post={post}"
+                y = hvd.reducescatter(x, op=op, prescale_factor=pre, postscale_factor=post,
+                                      name=salt if shape[0] == 1 else None)
+                same(y, ref, what)
+                same(x, keep, what + " input modified")
+                not_aliased(y, x, what)
+                if shape[0] == 1:
+                    continue
+                y = hvd.synchronize(hvd.reducescatter_async(x, op=op, prescale_factor=pre,
+                                                            postscale_factor=post))
+                same(y, ref, "reducescatter_async " + what)
+        # grouped: different first dims (one divisible, two not)
+        gshapes = [(2 * size, 3), (2 * size + 1,), (size + 1, 2, 2)]
+        salt = f"grs.{dtype}.{opname}"
+        xs = [gen(rank, s, dtype, (salt, i), lo, hi) for i, s in enumerate(gshapes)]
+        refs = [my_rows(reduce_ref(all_inputs(size, s, dtype, (salt, i), lo, hi), op), size,
+                        rank) for i, s in enumerate(gshapes)]
+        ys = hvd.grouped_reducescatter(xs, name=salt, op=op)
+        ungrouped = [hvd.reducescatter(x, op=op) for x in xs]
+        for i in range(len(xs)):
+            same(ys[i], refs[i], f"grouped_reducescatter[{i}] {dtype} {opname}")
+            same(ys[i], ungrouped[i], f"grouped_reducescatter[{i}] vs reducescatter {dtype}")
+        ys = hvd.synchronize(hvd.grouped_reducescatter_async(xs, op=op))
+        for i in range(len(xs)):
+            same(ys[i], refs[i], f"grouped_reducescatter_async[{i}] {dtype} {opname}")
+    # Default op is Average.
+    x = gen(rank, (2 * size + 1, 2), torch.float64, "rs.default")
+    full = reduce_ref(all_inputs(size, (2 * size + 1, 2), torch.float64, "rs.default"),
+                      hvd.Average)
+    same(hvd.reducescatter(x), my_rows(full, size, rank), "reducescatter default op")
+
+
+def many_fused_reducescatters():
+    # Several async reducescatters of one dtype fuse into one transport call.
+    handles, refs = [], []
+    for i in range(12):
+        shape = (i % (size + 2) + 1, i % 3 + 1)
+        x = gen(rank, shape, torch.float32, ("frs", i))
+        refs.append(my_rows(reduce_ref(all_inputs(size, shape, torch.float32, ("frs", i)),
+                                       hvd.Sum), size, rank))
+        handles.append(hvd.reducescatter_async(x, name=f"frs.{i}", op=hvd.Sum))
+    for i, (h, r) in enumerate(zip(handles, refs)):
+        same(hvd.synchronize(h), r, f"fused reducescatter {i}")
+
+
+# ------------------------------------------------------------------ sparse
+def sparse_allreduce():
+    dense_inputs = []
+    for r in range(size):
+        d = torch.zeros(6, 3)
+        d[r % 6] = float(r + 1)
+        d[(r + 2) % 6, 1] = 2.0
+        dense_inputs.append(d)
+    ref = torch.stack(dense_inputs).sum(0)
+    sp = dense_inputs[rank].to_sparse()
+    result = hvd.sparse_allreduce_async(sp, name="sparse.sum", op=hvd.Sum)()
+    assert result.is_sparse
+    same(result.to_dense(), ref, "sparse_allreduce_async Sum")
+    result = hvd.sparse_allreduce_async(sp, name="sparse.avg", op=hvd.Average)()
+    same(result.to_dense(), ref / size, "sparse_allreduce_async Average")
+
+
+# ------------------------------------------------------------------ errors
+def errors():
+    c = torch.zeros(3, dtype=torch.complex64)
+    expect_raises(ValueError, lambda: hvd.allreduce(c), "allreduce complex64")
+    expect_raises(ValueError, lambda: hvd.allreduce_async(c), "allreduce_async complex64")
+    expect_raises(ValueError, lambda: hvd.allgather(c), "allgather complex64")
+    expect_raises(ValueError, lambda: hvd.broadcast(c, 0), "broadcast complex64")
+    expect_raises(ValueError, lambda: hvd.alltoall(c), "alltoall complex64")
+    expect_raises(ValueError, lambda: hvd.reducescatter(c), "reducescatter complex64")
+    b = torch.ones(4, dtype=torch.bool)
+    expect_raises(ValueError, lambda: hvd.allreduce(b), "allreduce bool")
+    expect_raises(ValueError, lambda: hvd.grouped_allreduce([b]), "grouped_allreduce bool")
+    expect_raises(ValueError, lambda: hvd.reducescatter(b, op=hvd.Sum), "reducescatter bool")
+    expect_raises(ValueError, lambda: hvd.allreduce(torch.ones(2), op=42), "unknown reduce op")
+
+    # Duplicate name while the first one is in flight.
+    x = torch.ones(5) * (rank + 1)
+    h = hvd.allreduce_async(x, name="dup", op=hvd.Sum)
+    exc = expect_raises(ValueError, lambda: hvd.allreduce_async(x, name="dup", op=hvd.Sum),
+                        "duplicate name in flight")
+    assert "dup" in str(exc), exc
+    expect_raises(ValueError, lambda: hvd.allgather_async(x, name="dup"),
+                  "duplicate name in flight (allgather)")
+    same(hvd.synchronize(h), torch.full((5,), float(size * (size + 1) // 2)),
+         "first 'dup' allreduce")
+    # The name is free again once the first one finished.
+    same(hvd.allreduce(x, name="dup", op=hvd.Sum),
+         torch.full((5,), float(size * (size + 1) // 2)), "'dup' reused after completion")
+
+    # Mismatched shapes: every rank gets the same clear error, and the job goes on.
+    bad = torch.zeros(3 + rank)
+    exc = expect_raises(hvd.HorovodInternalError, lambda: hvd.allreduce(bad, name="mismatch"),
+                        "mismatched allreduce shapes")
+    assert "mismatch" in str(exc) and "shape" in str(exc).lower(), exc
+    bad = torch.zeros(4, dtype=torch.float32 if rank % 2 == 0 else torch.float64)
+    exc = expect_raises(hvd.HorovodInternalError,
+                        lambda: hvd.allreduce(bad, name="mismatch.dtype"),
+                        "mismatched allreduce dtypes")
+    bad = torch.zeros(2, 3 + rank)
+    expect_raises(hvd.HorovodInternalError, lambda: hvd.allgather(bad, name="mismatch.ag"),
+                  "mismatched allgather trailing dims")
+    expect_raises(hvd.HorovodInternalError,
+                  lambda: hvd.broadcast(torch.zeros(2), root_rank=rank, name="mismatch.root"),
+                  "mismatched broadcast roots")
+    same(hvd.allreduce(torch.ones(3), op=hvd.Sum, name="after.mismatch"),
+         torch.full((3,), float(size)), "allreduce after errors")
+
+
+# ------------------------------------------------------------------ poll / synchronize / barrier
+def poll_synchronize():
+    handles, refs = [], []
+    polled_false = False
+    for i in range(20):
+        shape = (100 + i,)
+        x = gen(rank, shape, torch.float32, ("poll", i))
+        refs.append(reduce_ref(all_inputs(size, shape, torch.float32, ("poll", i)), hvd.Sum))
+        h = hvd.allreduce_async(x, name=f"poll.{i}", op=hvd.Sum)
+        if not hvd.poll(h):
+            polled_false = True
+        handles.append(h)
+    assert polled_false, "hvd.poll() was never False right after submission: not async?"
+    for i, (h, r) in enumerate(zip(handles, refs)):
+        deadline = time.monotonic() + 30
+        while not hvd.poll(h):
+            assert time.monotonic() < deadline, f"poll never became True for handle {i}"
+            time.sleep(0.001)
+        assert isinstance(hvd.poll(h), bool)
+        t0 = time.monotonic()
+        y = hvd.synchronize(h)
+        assert time.monotonic() - t0 < 1.0, "synchronize blocked after poll() was True"
+        same(y, r, f"poll/synchronize {i}")
+        # Horovod: synchronize of a handle that is no longer known returns None.
+        assert hvd.synchronize(h) is None
+
+
+def barrier():
+    for it in range(3):
+        if rank == size - 1:
+            time.sleep(0.3)
+        with open(os.path.join(TMP, f"barrier.{it}.{rank}"), "w") as f:
+            f.write("x")
+        hvd.barrier()
+        missing = [r for r in range(size)
+                   if not os.path.exists(os.path.join(TMP, f"barrier.{it}.{r}"))]
+        assert not missing, f"barrier {it} returned before ranks {missing} reached it"
+    hvd.barrier(process_set=hvd.global_process_set)
+
+
+def topology():
+    assert hvd.is_initialized()
+    assert size == int(os.environ.get("HOROVOD_SIZE", size))
+    assert 0 <= rank < size
+    assert hvd.local_size() == size and hvd.local_rank() == rank
+    assert hvd.cross_size() == 1 and hvd.cross_rank() == 0
+    assert hvd.global_process_set.size() == size and hvd.global_process_set.rank() == rank
+
+
+check("topology", topology)
+for opname in REDUCE_OPS:
+    check(f"allreduce_{opname}", allreduce_matrix, opname)
+check("allreduce_variants", allreduce_variants)
+for opname in REDUCE_OPS:
+    check(f"grouped_allreduce_{opname}", grouped_allreduce, opname)
+check("allgather", allgather_all)
+check("scalar_errors", scalar_errors)
+check("broadcast", broadcast_all)
+check("alltoall", alltoall_all)
+check("alltoall_bad_splits", alltoall_bad_splits)
+check("reducescatter", reducescatter_all)
+check("fused_reducescatter", many_fused_reducescatters)
+check("sparse_allreduce", sparse_allreduce)
+check("errors", errors)
+check("poll_synchronize", poll_synchronize)
+check("barrier", barrier)
+finish()
+hvd.shutdown()

@@ -1,0 +1,172 @@
+"""Shared helpers for the collective worker scripts (ops_*.py, ps_*.py).
+
+Every rank builds every rank's input from a per-rank seeded generator, so each rank can compute
+the full single-process reference locally and compare its own result exactly. Inputs are small
+integers (exactly representable in every dtype, including float16/bfloat16), so sums, products,
+averages and the power-of-two/small-integer scale factors used here are exact and results can be
+compared with torch.equal.
+"""
+from __future__ import annotations
+
+import time
+import traceback
+import zlib
+
+import torch
+
+import hvdlite.torch as hvd
+
+ALL_DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+              torch.bfloat16, torch.float32, torch.float64]
+REDUCE_OPS = {"Average": hvd.Average, "Sum": hvd.Sum, "Min": hvd.Min, "Max": hvd.Max,
+              "Product": hvd.Product}
+SHAPES = [(), (7,), (3, 4, 5)]
+
+FAILURES: list[str] = []
+_CHECKS = 0
+_soft: list | None = None     # mismatches collected by the running check
+
+
+def fail(msg: str) -> None:
+    """Record a mismatch; inside check() the check goes on (so every rank still runs the same
+    collectives) and fails at its end."""
+    if _soft is None:
+        raise AssertionError(msg)
+    _soft.append(msg)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+_salt_ids: dict = {}
+
+
+def salt_id(salt) -> int:
+    """A stable integer for a salt (str hash() is randomised per process)."""
+    if isinstance(salt, int):
+        return salt
+    if salt not in _salt_ids:
+        _salt_ids[salt] = zlib.crc32(repr(salt).encode()) % 1000003
+    return _salt_ids[salt]
+
+
+def gen(rank: int, shape, dtype: torch.dtype, salt=0, lo: int = -4, hi: int = 4) -> torch.Tensor:
+    """Rank `rank`'s deterministic input: integers in [lo, hi] (uint8: [0, hi]) cast to dtype."""
+    g = torch.Generator().manual_seed(1000 + rank + 7919 * salt_id(salt))
+    if dtype == torch.bool:
+        return torch.randint(0, 2, tuple(shape), generator=g).bool()
+    if dtype == torch.uint8:
+        lo = max(lo, 0)
+    return torch.randint(lo, hi + 1, tuple(shape), generator=g, dtype=torch.int64).to(dtype)
+
+
+def all_inputs(size: int, shape, dtype, salt=0, lo=-4, hi=4) -> list[torch.Tensor]:
+    """Every rank's input, for local references."""
+    return [gen(r, shape, dtype, salt, lo, hi) for r in range(size)]
+
+
+def reduce_ref(inputs: list[torch.Tensor], op, pre: float = 1.0, post: float = 1.0,
+               divisor: int | None = None) -> torch.Tensor:
+    """Horovod's result: op over (pre * x_r), then * post (and / set size for Average; integer
+    Average truncates toward zero). Computed in float64 (inputs are small integers: exact)."""
+    dtype = inputs[0].dtype
+    size = divisor if divisor is not None else len(inputs)
+    xs = torch.stack([x.to(torch.float64) for x in inputs])
+    if dtype.is_floating_point:
+        xs = xs * pre
+    else:
+        xs = torch.trunc(xs * pre)
+    if op in (hvd.Average, hvd.Sum):
+        red = xs.sum(0)
+    elif op == hvd.Min:
+        red = xs.min(0).values
+    elif op == hvd.Max:
+        red = xs.max(0).values
+    elif op == hvd.Product:
+        red = xs.prod(0)
+    else:
+        raise ValueError(op)
+    factor = post / size if op == hvd.Average else post
+    red = red * factor
+    if not dtype.is_floating_point:
+        red = torch.trunc(red)
+    return red.to(dtype)
+
+
+def split_rows(dim0: int, size: int) -> list[int]:
+    return [dim0 // size + (1 if i < dim0 % size else 0) for i in range(size)]
+
+
+def my_rows(full: torch.Tensor, size: int, index: int) -> torch.Tensor:
+    rows = split_rows(full.shape[0], size)
+    start = sum(rows[:index])
+    return full[start:start + rows[index]]
+
+
+def same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    if not isinstance(actual, torch.Tensor):
+        return fail(f"{what}: expected a tensor, got {type(actual).__name__}")
+    if actual.dtype != expected.dtype:
+        return fail(f"{what}: dtype {actual.dtype} != expected {expected.dtype}")
+    if tuple(actual.shape) != tuple(expected.shape):
+        return fail(f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    if not torch.equal(actual, expected):
+        diff = (actual.to(torch.float64) - expected.to(torch.float64)).abs()
+        fail(f"{what}: values differ (max abs diff {diff.max().item()}) "
+             f"actual={actual.flatten()[:8].tolist()} expected={expected.flatten()[:8].tolist()}")
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol=1e-6, atol=1e-6) -> None:
+    try:
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+    except AssertionError as exc:
+        fail(f"{what}: {exc}")
+
+
+def expect_raises(exc_types, fn, what: str, match: str | None = None):
+    try:
+        fn()
+    except exc_types as exc:
+        if match is not None and match not in str(exc):
+            fail(f"{what}: raised {type(exc).__name__} without {match!r}: {exc}")
+        return exc
+    except Exception as exc:  # wrong type
+        fail(f"{what}: expected {exc_types}, got {type(exc).__name__}: {exc}")
+        return exc
+    fail(f"{what}: expected {exc_types}, nothing was raised")
+    return None
+
+
+def check(name: str, fn, *args, **kwargs) -> None:
+    """Run one named check; record (and print) a failure instead of stopping the script.
+
+    A check must run the same collectives on every rank even when it fails, so assertions are
+    made after the collectives of the check have completed."""
+    global _CHECKS, _soft
+    _CHECKS += 1
+    t0 = time.monotonic()
+    _soft = []
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        FAILURES.append(name)
+        log(f"CHECK {name} FAIL {type(exc).__name__}: {exc}")
+        for line in traceback.format_exc().splitlines():
+            log(f"  | {line}")
+        return
+    finally:
+        mismatches, _soft = _soft, None
+    if mismatches:
+        FAILURES.append(name)
+        log(f"CHECK {name} FAIL {len(mismatches)} mismatches")
+        for m in mismatches[:6]:
+            log(f"  | {m}")
+        return
+    log(f"CHECK {name} OK ({time.monotonic() - t0:.2f}s)")
+
+
+def finish() -> None:
+    """The last line of a rank: proof that it ran every check (the test file judges each
+    check by its CHECK line, so known bugs can be marked xfail one by one)."""
+    log(f"FINISHED {_CHECKS} checks, {len(FAILURES)} failed: {FAILURES}")

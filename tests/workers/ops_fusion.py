@@ -1,0 +1,174 @@
+"""Many tensors in flight, fusion and the steady-state response cache.
+
+Run under different HOROVOD_FUSION_THRESHOLD / HOROVOD_CACHE_CAPACITY settings: the results must
+be exactly the references every time.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import hvdlite.torch as hvd
+from ops_common import all_inputs, check, finish, gen, my_rows, reduce_ref, same
+
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+
+N = 200
+ITERS = 20
+
+
+def spec(i: int, it: int):
+    """Tensor i's dtype, shape and op (its shape changes at iteration ITERS for i == 7)."""
+    dtype = torch.float16 if i % 3 == 0 else torch.float32
+    shape = (i % 13 + 1,) if i % 2 else (i % 5 + 1, 3)
+    if i % 50 == 49:
+        shape = (3000,)          # bigger than a small fusion threshold
+    if i == 7 and it >= ITERS:
+        shape = (4, 4, 2)
+    op = hvd.Average if i % 4 == 0 else hvd.Sum
+    return dtype, shape, op
+
+
+def many_async_allreduces(iters: int, reverse_on_odd: bool):
+    for it in range(iters):
+        order = list(range(N))
+        if reverse_on_odd and rank % 2:
+            order.reverse()       # ranks submit in different orders; names match them up
+        handles = {}
+        for i in order:
+            dtype, shape, op = spec(i, it)
+            x = gen(rank, shape, dtype, ("fuse", i, it))
+            handles[i] = hvd.allreduce_async(x, name=f"fuse.{i}", op=op)
+        for i in range(N):
+            dtype, shape, op = spec(i, it)
+            ref = reduce_ref(all_inputs(size, shape, dtype, ("fuse", i, it)), op)
+            y = hvd.synchronize(handles[i])
+            same(y, ref, f"iteration {it} tensor fuse.{i}")
+
+
+def steady_state():
+    """The same named collectives of every kind for ITERS iterations, then parameters change."""
+    for it in range(ITERS + 3):
+        handles = []
+        # allreduce, in place, fp32 and fp16
+        a = gen(rank, (8, 3), torch.float32, ("ss.a", it))
+        ref_a = reduce_ref(all_inputs(size, (8, 3), torch.float32, ("ss.a", it)), hvd.Average)
+        handles.append(("a", hvd.allreduce_async_(a, name="ss.a"), None))
+        # allgather with a rank-dependent first dim that changes for rank 0 only at ITERS+1
+        d = [r + 1 for r in range(size)]
+        if it >= ITERS + 1:
+            d[0] = 5
+        g = gen(rank, (d[rank], 2), torch.int32, ("ss.g", it))
+        ref_g = torch.cat([gen(r, (d[r], 2), torch.int32, ("ss.g", it)) for r in range(size)])
+        hg = hvd.allgather_async(g, name="ss.g")
+        # broadcast whose root rotates (a changed root is a changed parameter)
+        root = (it // 5) % size
+        b = gen(rank, (6,), torch.float64, ("ss.b", it))
+        ref_b = gen(root, (6,), torch.float64, ("ss.b", it))
+        hb = hvd.broadcast_async(b, root, name="ss.b")
+        # reducescatter with dim0 not divisible by size; its shape changes at ITERS
+        rows = 2 * size + 1 if it < ITERS else 3 * size + 2
+        s = gen(rank, (rows, 2), torch.float32, ("ss.s", it))
+        ref_s = my_rows(reduce_ref(all_inputs(size, (rows, 2), torch.float32, ("ss.s", it)),
+                                   hvd.Sum), size, rank)
+        hs = hvd.reducescatter_async(s, name="ss.s", op=hvd.Sum)
+        # grouped allreduce (fp16) and a prescaled allreduce whose factor changes at ITERS+2
+        gr = [gen(rank, (5,), torch.float16, ("ss.gr", it, k)) for k in range(3)]
+        ref_gr = [reduce_ref(all_inputs(size, (5,), torch.float16, ("ss.gr", it, k)), hvd.Sum)
+                  for k in range(3)]
+        hgr = hvd.grouped_allreduce_async(gr, name="ss.gr", op=hvd.Sum)
+        pre = 1.0 if it < ITERS + 2 else 0.5
+        p = gen(rank, (4,), torch.float32, ("ss.p", it))
+        ref_p = reduce_ref(all_inputs(size, (4,), torch.float32, ("ss.p", it)), hvd.Sum, pre)
+        hp = hvd.allreduce_async(p, name="ss.p", op=hvd.Sum, prescale_factor=pre)
+
+        hvd.synchronize(handles[0][1])
+        same(a, ref_a, f"steady allreduce_ iteration {it}")
+        same(hvd.synchronize(hg), ref_g, f"steady allgather iteration {it}")
+        same(hvd.synchronize(hb), ref_b, f"steady broadcast iteration {it}")
+        same(hvd.synchronize(hs), ref_s, f"steady reducescatter iteration {it}")
+        for k, (y, r) in enumerate(zip(hvd.synchronize(hgr), ref_gr)):
+            same(y, r, f"steady grouped allreduce [{k}] iteration {it}")
+        same(hvd.synchronize(hp), ref_p, f"steady prescaled allreduce iteration {it}")
+
+
+def many_async_mixed_ops(iters: int = 3):
+    """Allgathers (per-rank first dims), broadcasts (several roots), reducescatters, alltoalls
+    and grouped allreduces of several dtypes, all in flight together, submitted in a
+    rank-dependent order, repeated with the same names."""
+    for it in range(iters):
+        jobs = []   # (name, submit, reference)
+        for k in range(30):
+            dtype = [torch.int32, torch.float16, torch.uint8][k % 3]
+            dims = [(r + k) % 4 + 1 for r in range(size)]
+            salt = ("mix.ag", k, it)
+            x = gen(rank, (dims[rank], 2), dtype, salt)
+            ref = torch.cat([gen(r, (dims[r], 2), dtype, salt) for r in range(size)])
+            jobs.append((f"mix.ag.{k}", lambda x=x, k=k: hvd.allgather_async(
+                x, name=f"mix.ag.{k}"), ref))
+        for k in range(30):
+            dtype = [torch.bool, torch.float32, torch.int8][k % 3]
+            root = k % size
+            salt = ("mix.bc", k, it)
+            x = gen(rank, (k % 7 + 1,), dtype, salt)
+            jobs.append((f"mix.bc.{k}", lambda x=x, k=k, root=root: hvd.broadcast_async(
+                x, root, name=f"mix.bc.{k}"), gen(root, (k % 7 + 1,), dtype, salt)))
+        for k in range(20):
+            dtype = [torch.float32, torch.float64][k % 2]
+            rows = k % (2 * size) + 1
+            salt = ("mix.rs", k, it)
+            x = gen(rank, (rows, 3), dtype, salt)
+            ref = my_rows(reduce_ref(all_inputs(size, (rows, 3), dtype, salt), hvd.Sum), size,
+                          rank)
+            jobs.append((f"mix.rs.{k}", lambda x=x, k=k: hvd.reducescatter_async(
+                x, name=f"mix.rs.{k}", op=hvd.Sum), ref))
+        for k in range(5):
+            salt = ("mix.a2a", k, it)
+            x = gen(rank, (2 * size, k + 1), torch.float32, salt)
+            ref = torch.cat([gen(r, (2 * size, k + 1), torch.float32, salt)[2 * rank:2 * rank + 2]
+                             for r in range(size)])
+            jobs.append((f"mix.a2a.{k}", lambda x=x, k=k: hvd.alltoall_async(
+                x, name=f"mix.a2a.{k}"), ref))
+        for k in range(5):
+            salt = ("mix.gar", k, it)
+            xs = [gen(rank, (j + 1,), torch.float16, (salt, j)) for j in range(4)]
+            refs = [reduce_ref(all_inputs(size, (j + 1,), torch.float16, (salt, j)), hvd.Average)
+                    for j in range(4)]
+            jobs.append((f"mix.gar.{k}", lambda xs=xs, k=k: hvd.grouped_allreduce_async(
+                xs, name=f"mix.gar.{k}"), refs))
+        order = jobs[::-1] if rank % 2 else jobs[::2] + jobs[1::2]
+        handles = {name: submit() for name, submit, _ in order}
+        for name, _, ref in jobs:
+            out = hvd.synchronize(handles[name])
+            if name.startswith("mix.a2a"):
+                out = out[0]
+            if isinstance(ref, list):
+                for j, (o, r) in enumerate(zip(out, ref)):
+                    same(o, r, f"iteration {it} {name}[{j}]")
+            else:
+                same(out, ref, f"iteration {it} {name}")
+
+
+def sync_loop_same_names():
+    # Synchronous calls in a loop (the common training pattern) with a shape change at the end.
+    for it in range(30):
+        shape = (10,) if it < 25 else (11,)
+        x = gen(rank, shape, torch.float32, ("loop", it))
+        y = hvd.allreduce(x, name="loop.grad", op=hvd.Sum)
+        same(y, reduce_ref(all_inputs(size, shape, torch.float32, ("loop", it)), hvd.Sum),
+             f"loop iteration {it}")
+
+
+CHECKS = {
+    "many_async_allreduces": lambda: many_async_allreduces(ITERS + 2, False),
+    "many_async_allreduces_mixed_order": lambda: many_async_allreduces(3, True),
+    "steady_state_all_ops": steady_state,
+    "many_async_mixed_ops": many_async_mixed_ops,
+    "sync_loop_shape_change": sync_loop_same_names,
+}
+for name in (sys.argv[1:] or CHECKS):
+    check(name, CHECKS[name])
+finish()
+hvd.shutdown()

@@ -1,0 +1,64 @@
+"""Before init, shutdown, and init again: collectives work in every cycle."""
+from __future__ import annotations
+
+import torch
+
+import hvdlite.torch as hvd
+from ops_common import all_inputs, check, expect_raises, finish, gen, reduce_ref, same
+
+NOT_INIT = "Horovod has not been initialized; use hvd.init()."
+
+
+def before_init():
+    assert not hvd.is_initialized()
+    x = torch.ones(3)
+    for what, fn in [("allreduce", lambda: hvd.allreduce(x)),
+                     ("allreduce_async", lambda: hvd.allreduce_async(x)),
+                     ("allgather", lambda: hvd.allgather(x)),
+                     ("broadcast", lambda: hvd.broadcast(x, 0)),
+                     ("alltoall", lambda: hvd.alltoall(x)),
+                     ("reducescatter", lambda: hvd.reducescatter(x)),
+                     ("grouped_allreduce", lambda: hvd.grouped_allreduce([x])),
+                     ("barrier", lambda: hvd.barrier()),
+                     ("join", lambda: hvd.join()),
+                     ("rank", lambda: hvd.rank()),
+                     ("size", lambda: hvd.size())]:
+        exc = expect_raises(ValueError, fn, f"{what} before init()")
+        if exc is not None and str(exc) != NOT_INIT:
+            raise AssertionError(f"{what} before init(): message {str(exc)!r}, "
+                                 f"expected {NOT_INIT!r}")
+
+
+def cycles():
+    for cycle in range(3):
+        hvd.init()
+        hvd.init()   # a second init() is harmless
+        assert hvd.is_initialized()
+        rank, size = hvd.rank(), hvd.size()
+        # Named (cached) and unnamed collectives, the same names in every cycle.
+        for step in range(3):
+            x = gen(rank, (4, 2), torch.float32, ("cycle", cycle, step))
+            ref = reduce_ref(all_inputs(size, (4, 2), torch.float32, ("cycle", cycle, step)),
+                             hvd.Sum)
+            same(hvd.allreduce(x, name="cycle.grad", op=hvd.Sum), ref,
+                 f"cycle {cycle} named allreduce")
+            same(hvd.allreduce(x, op=hvd.Sum), ref, f"cycle {cycle} unnamed allreduce")
+        h = hvd.allreduce_async(torch.ones(3) * rank, name="cycle.async", op=hvd.Sum)
+        g = hvd.allgather(torch.tensor([rank, cycle]), name="cycle.ag")
+        same(g, torch.tensor([[r, cycle] for r in range(size)]).reshape(-1),
+             f"cycle {cycle} allgather")
+        b = hvd.broadcast(torch.tensor([rank * 10 + cycle]), root_rank=size - 1)
+        same(b, torch.tensor([(size - 1) * 10 + cycle]), f"cycle {cycle} broadcast")
+        same(hvd.synchronize(h), torch.full((3,), float(sum(range(size)))),
+             f"cycle {cycle} async allreduce")
+        hvd.barrier()
+        hvd.shutdown()
+        assert not hvd.is_initialized()
+        expect_raises(ValueError, lambda: hvd.allreduce(torch.ones(1)),
+                      f"allreduce after shutdown (cycle {cycle})", match=NOT_INIT)
+    hvd.shutdown()   # a second shutdown() is harmless
+
+
+check("before_init", before_init)
+check("shutdown_init_cycles", cycles)
+finish()
