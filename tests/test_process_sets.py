@@ -11,10 +11,6 @@ import pytest
 
 from util import hvdlite_run, rank_lines
 
-MAX_BUG = ("hvdlite/common/collectives.py Executor.allreduce: `resp.reduce_op in (AVERAGE, "
-           "ADASUM_OP)` compares a reduce op with the request type ADASUM_OP (== 4 == MAX), so "
-           "op=Max allreduces run as Sum")
-
 
 def _launch(script: str, np: int = 4, timeout: float = 120) -> dict:
     proc = hvdlite_run(script, np=np, timeout=timeout)
@@ -59,7 +55,7 @@ def dynamic_run():
 @pytest.mark.parametrize("name", [
     "registration",            # ids, size(), rank(), included() for even/odd/[1,2,3]/[0,1]
     "set_allreduce",           # 9 dtypes x Average/Sum/Min/Product on every set the rank is in
-    pytest.param("set_allreduce_Max", marks=pytest.mark.xfail(strict=True, reason=MAX_BUG)),
+    "set_allreduce_Max",
     "set_collectives",         # grouped, allgather, broadcast (global roots), alltoall, rs
     "overlapping_async",       # global + overlapping sets in flight together, rank-dependent order
     "set_grads",               # broadcast/allreduce gradients inside a set

@@ -3,8 +3,8 @@ every rank computes locally from every rank's deterministic input.
 
 Each worker script (tests/workers/ops_*.py) runs many named checks in one launch and prints one
 `CHECK <name> OK|FAIL ...` line per check and a final `FINISHED ...` line per rank; the tests below
-share one launch per configuration and judge each check on its own, so a known bug is marked
-xfail for exactly the checks it breaks.
+share one launch per configuration and judge each check on its own, so a failure names exactly
+the checks it breaks.
 """
 from __future__ import annotations
 
@@ -50,37 +50,16 @@ class Run:
                         f"{self.output[-6000:]}", pytrace=False)
 
 
-def xfail(name: str, reason: str):
-    return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=reason))
-
-
-MAX_BUG = ("hvdlite/common/collectives.py Executor.allreduce: `resp.reduce_op in (AVERAGE, "
-           "ADASUM_OP)` compares a reduce op with the request type ADASUM_OP (== 4 == MAX), so "
-           "op=Max allreduces run as Sum")
-SCALAR_BUG = ("hvdlite/torch/mpi_ops.py HorovodAllgather/HorovodGroupedAllgather.forward read "
-              "tensor.shape[0] before validating, so a 0-d allgather raises IndexError instead "
-              "of a clear ValueError")
-CACHE_BUG = ("hvdlite/common/controller.py: entries evicted from a small response cache "
-             "(HOROVOD_CACHE_CAPACITY=2) are announced before the response that introduces "
-             "them and pending hits on evicted bits are never re-requested: coordinator "
-             "KeyError / 'unknown cache bit' / a hang")
-ALLGATHER_GRAD_BUG = ("hvdlite/torch/mpi_ops.py HorovodAllgather(.Grouped).backward sums the "
-                      "gradient (op=Sum); Horovod averages it (allreduce(average=True))")
-REDUCESCATTER_GRAD_BUG = ("hvdlite/torch/mpi_ops.py HorovodReducescatter(.Grouped).backward "
-                          "returns allgather(grad)/size for Average and allgather(grad) for "
-                          "Sum; Horovod returns allgather(grad) for Average and "
-                          "allgather(grad)*size for Sum")
-
 # ---------------------------------------------------------------------------- every op x dtype
 
 BASIC_CHECKS = [
     "topology",
-    "allreduce_Average", "allreduce_Sum", "allreduce_Min", xfail("allreduce_Max", MAX_BUG),
+    "allreduce_Average", "allreduce_Sum", "allreduce_Min", "allreduce_Max",
     "allreduce_Product",
     "allreduce_variants",
     "grouped_allreduce_Average", "grouped_allreduce_Sum", "grouped_allreduce_Min",
-    xfail("grouped_allreduce_Max", MAX_BUG), "grouped_allreduce_Product",
-    "allgather", xfail("scalar_errors", SCALAR_BUG),
+    "grouped_allreduce_Max", "grouped_allreduce_Product",
+    "allgather", "scalar_errors",
     "broadcast", "alltoall", "alltoall_bad_splits", "reducescatter", "fused_reducescatter",
     "sparse_allreduce", "errors", "poll_synchronize", "barrier",
 ]
@@ -136,12 +115,10 @@ def test_fusion_finished(fusion):
 
 @pytest.mark.timeout(160)
 @pytest.mark.parametrize("name", FUSION_CHECKS)
-def test_fusion_and_cache(fusion, name, request):
+def test_fusion_and_cache(fusion, name):
     """200 named fp32/fp16 tensors in flight at once, 22 iterations (steady-state cache path,
     then a shape change under the same name); every kind of named collective in steady state
     with changing parameters; exact results under every fusion/cache setting."""
-    if fusion.config == "cache2":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=CACHE_BUG))
     fusion.check(name)
 
 
@@ -167,11 +144,10 @@ def test_join(join_run, name):
 
 GRAD_CHECKS = [
     "allreduce_grad", "grouped_allreduce_grad",
-    xfail("allgather_grad", ALLGATHER_GRAD_BUG), xfail("grouped_allgather_grad",
-                                                       ALLGATHER_GRAD_BUG),
+    "allgather_grad", "grouped_allgather_grad",
     "broadcast_grad", "alltoall_grad",
-    xfail("reducescatter_grad", REDUCESCATTER_GRAD_BUG),
-    xfail("grouped_reducescatter_grad", REDUCESCATTER_GRAD_BUG),
+    "reducescatter_grad",
+    "grouped_reducescatter_grad",
 ]
 
 

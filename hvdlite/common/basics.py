@@ -344,10 +344,10 @@ _site_lock = threading.Lock()
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def auto_name(op: str) -> str:
+def auto_name(op: str, set_id: int = 0) -> str:
     """A name for an unnamed collective that is identical on every rank: the calling line in the
-    user's code plus how many times that line has run. (Horovod used a global handle counter,
-    which breaks as soon as ranks interleave calls differently.)"""
+    user's code plus how many times that line has run for this process set. (Horovod used a
+    global handle counter, which breaks as soon as ranks interleave calls differently.)"""
     frame = sys._getframe(1)
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PKG_DIR):
         frame = frame.f_back
@@ -355,7 +355,7 @@ def auto_name(op: str) -> str:
         site = ("?", 0)
     else:
         site = (os.path.basename(frame.f_code.co_filename), frame.f_lineno)
-    key = (op,) + site
+    key = (op, set_id) + site
     with _site_lock:
         n = _site_counters.get(key, 0)
         _site_counters[key] = n + 1

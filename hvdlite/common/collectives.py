@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .messages import (ADASUM_OP, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BROADCAST,
+from .messages import (ADASUM, ADASUM_OP, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BROADCAST,
                        REDUCESCATTER, SUM, Response)
 
 DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
@@ -69,7 +69,7 @@ class Executor:
     # ------------------------------------------------------------------ allreduce
     def allreduce(self, comm, resp: Response, inputs: list, outputs: list) -> None:
         dtype = DTYPES[resp.dtype]
-        op = SUM if resp.reduce_op in (AVERAGE, ADASUM_OP) else resp.reduce_op
+        op = SUM if resp.reduce_op in (AVERAGE, ADASUM) else resp.reduce_op
         post = resp.postscale / comm.size if resp.reduce_op == AVERAGE else resp.postscale
         names = resp.names
         if len(inputs) == 1 and outputs[0] is not None and _on(comm, outputs[0]):

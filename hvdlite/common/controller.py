@@ -364,13 +364,20 @@ class Coordinator:
         entry = s.cache.invalidate(req.name)
         if entry is not None:
             # Parameters changed: everyone's pending hit on the old bit becomes a full request.
-            self._announce_evictions(s, [entry.bit], out)
-            s.bit_seen.pop(entry.bit, None)
-            for j in range(len(s.ranks)):
-                if s.pending_bits[j] >> entry.bit & 1:
-                    s.pending_bits[j] &= ~(1 << entry.bit)
-                    self._add_to_table(s, j, entry.requests[j], ready)
+            self._retire_bits(s, [entry.bit], ready)
         self._add_to_table(s, idx, req, ready)
+
+    def _retire_bits(self, s: SetState, bits: list, ready: list) -> None:
+        """Bits left the cache: pending hits on them become full requests again, and every rank
+        of the set is told (after this round's responses, which may have introduced them)."""
+        for bit in bits:
+            s.bit_seen.pop(bit, None)
+            entry = s.cache.lookup_bit(bit)
+            for j in range(len(s.ranks)):
+                if s.pending_bits[j] >> bit & 1:
+                    s.pending_bits[j] &= ~(1 << bit)
+                    self._add_to_table(s, j, entry.requests[j], ready)
+        self._evicted.append((s, list(bits)))
 
     def _add_to_table(self, s: SetState, idx: int, req: Request, ready: list) -> None:
         reqs = s.table.get(req.name)
@@ -407,8 +414,10 @@ class Coordinator:
             bit, evicted = s.cache.put(resp, reqs)
             resp.cache_bits = [bit]
             self._fresh.add((s.id, bit))
+            ready.append((s, resp))
             if evicted:
-                self._evicted.append((s, evicted))
+                self._retire_bits(s, evicted, ready)
+            return
         ready.append((s, resp))
 
     def _on_hits(self, rank: int, set_id: int, mask: int, ready: list, out: dict) -> None:
@@ -418,18 +427,21 @@ class Coordinator:
         idx = s.index[rank]
         stale = mask & ~s.cache.valid_mask
         if stale:
-            # The rank used a bit the coordinator has since retired: treat it as a full request.
+            # The rank used a bit the coordinator has since retired: treat it as a full request,
+            # or, once the retired entry is forgotten too, ask the rank to send it in full.
             mask &= s.cache.valid_mask
+            resend = []
             while stale:
                 low = stale & -stale
                 bit = low.bit_length() - 1
                 stale ^= low
                 entry = s.cache.lookup_bit(bit)
                 if entry is None:
-                    self._stop_with(f"internal error: rank {rank} used unknown cache bit {bit} "
-                                    f"in process set {set_id}", out)
-                    return
-                self._add_to_table(s, idx, entry.requests[idx], ready)
+                    resend.append(bit)
+                else:
+                    self._add_to_table(s, idx, entry.requests[idx], ready)
+            if resend:
+                out.setdefault(rank, []).append(("B", set_id, resend))
         now = time.monotonic()
         new = mask & ~s.pending_bits[idx]
         while new:
@@ -556,10 +568,15 @@ class Coordinator:
             out.setdefault(g, []).append(("E", s.id, list(bits)))
 
     def _release(self, ready: list, out: dict) -> None:
-        if self._evicted:
-            for s, bits in self._evicted:
-                self._announce_evictions(s, bits, out)
-            self._evicted = []
+        self._release_ready(ready, out)
+        # Evictions go after the responses: a bit introduced and retired in the same round must
+        # reach the ranks as introduced, then retired.
+        for s, bits in self._evicted:
+            self._announce_evictions(s, bits, out)
+        self._evicted = []
+        self._fresh.clear()
+
+    def _release_ready(self, ready: list, out: dict) -> None:
         if not ready:
             return
         # Hold grouped responses until the whole group is ready.
@@ -588,7 +605,6 @@ class Coordinator:
             item = ("C", s.id, tuple(bits), resp.joined) if compact else ("R", resp)
             for g in s.ranks:
                 out.setdefault(g, []).append(item)
-        self._fresh.clear()
 
     def _group_size(self, s: SetState, resp: Response) -> int:
         return self._group_sizes.get((s.id, resp.group), 1)

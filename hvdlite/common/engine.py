@@ -86,6 +86,7 @@ class Entry:
     handle: Handle | None = None
     result: Any = None
     extra: Any = None             # alltoall: received splits
+    sent_bit: int = -1            # the cache bit sent instead of the request, if any
 
 
 class Engine:
@@ -249,6 +250,7 @@ class Engine:
         for e in entries:
             req = e.request
             bit = self.cache.hit(req) if req.cacheable else -1
+            e.sent_bit = bit
             if bit >= 0:
                 masks[req.process_set_id] = masks.get(req.process_set_id, 0) | (1 << bit)
             else:
@@ -258,6 +260,19 @@ class Engine:
             self.timeline.cycle()
         try:
             self.channel.send(("Q", full, list(masks.items())))
+        except OSError as exc:
+            self._close(f"rank {self.rank} could not reach the coordinator: {exc}")
+
+    def _resend(self, set_id: int, bits: list) -> None:
+        """The coordinator forgot these bits before our hits arrived: send the requests in full."""
+        wanted = set(bits)
+        with self._lock:
+            reqs = [e.request for e in self._inflight.values()
+                    if e.request.process_set_id == set_id and e.sent_bit in wanted]
+        for e_bit in wanted:
+            self.cache.evict(set_id, [e_bit])
+        try:
+            self.channel.send(("Q", reqs, []))
         except OSError as exc:
             self._close(f"rank {self.rank} could not reach the coordinator: {exc}")
 
@@ -277,6 +292,8 @@ class Engine:
                     self._execute(self.cache.expand(set_id, bits, joined))
                 elif tag == "E":
                     self.cache.evict(item[1], item[2])
+                elif tag == "B":
+                    self._resend(item[1], item[2])
                 if self._closed is not None:
                     return False
             return True

@@ -84,7 +84,7 @@ def _allreduce_async(tensors, outputs, name, op, prescale_factor, postscale_fact
                      process_set, grouped: bool):
     _check_reduce_op(op, process_set)
     auto = name is None
-    base = _basics.auto_name("allreduce") if auto else name
+    base = _basics.auto_name("allreduce", _set_id(process_set)) if auto else name
     entries = []
     n = len(tensors)
     for i, (t, out) in enumerate(zip(tensors, outputs)):
@@ -237,13 +237,12 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
 
 # ---------------------------------------------------------------------- allgather
 def _allgather_async(tensors, name, process_set, grouped: bool) -> int:
-    base = name if name is not None else _basics.auto_name("allgather")
+    base = name if name is not None else \
+        _basics.auto_name("allgather", _set_id(process_set))
     n = len(tensors)
     entries = []
     for i, t in enumerate(tensors):
-        if t.dim() == 0:
-            raise ValueError("allgather needs a tensor with at least one dimension; reshape the "
-                             "scalar to [1]")
+        _check_gatherable(t)
         req = _request(t, base if not grouped else f"{base}.{i}", ALLGATHER, process_set,
                        cacheable=name is not None,
                        group=base if grouped and n > 1 else None,
@@ -268,15 +267,22 @@ class HorovodAllgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         ps = ctx.process_set or global_process_set
-        grad_reduced = allreduce(grad_output, op=Sum, process_set=ps)
+        grad_reduced = allreduce(grad_output, op=Average, process_set=ps)  # Horovod's definition
         dims = allgather(torch.tensor([ctx.dim], dtype=torch.int32), process_set=ps)
         r = ps.rank()
         offset = int(dims[:r].sum().item()) if r > 0 else 0
         return grad_reduced.narrow(0, offset, ctx.dim), None, None
 
 
+def _check_gatherable(tensor):
+    if tensor.dim() == 0:
+        raise ValueError("allgather needs a tensor with at least one dimension; reshape the "
+                         "scalar to [1]")
+
+
 def allgather(tensor, name=None, process_set=global_process_set):
     """Concatenate every rank's tensor along dimension 0 (first dims may differ); differentiable."""
+    _check_gatherable(tensor)
     return HorovodAllgather.apply(tensor, name, process_set)
 
 
@@ -294,7 +300,7 @@ class HorovodGroupedAllgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         ps = ctx.process_set or global_process_set
-        reduced = grouped_allreduce(list(grads), op=Sum, process_set=ps)
+        reduced = grouped_allreduce(list(grads), op=Average, process_set=ps)
         dims = allgather(torch.tensor([ctx.dims], dtype=torch.int32), process_set=ps)
         r = ps.rank()
         out = []
@@ -305,14 +311,17 @@ class HorovodGroupedAllgather(torch.autograd.Function):
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    for t in tensors:
+        _check_gatherable(t)
     return list(HorovodGroupedAllgather.apply(name, process_set, *tensors))
 
 
 # ---------------------------------------------------------------------- broadcast
 def _broadcast_async(tensor, output, root_rank, name, process_set) -> int:
     auto = name is None
-    req = _request(tensor, _basics.auto_name("broadcast") if auto else name, BROADCAST,
-                   process_set, root_rank=int(root_rank), cacheable=not auto)
+    name = _basics.auto_name("broadcast", _set_id(process_set)) if auto else name
+    req = _request(tensor, name, BROADCAST, process_set, root_rank=int(root_rank),
+                   cacheable=not auto)
     handle = _basics.submit([Entry(req, tensor.detach().contiguous(), output)])
     return _register(handle, lambda res: res[0])
 
@@ -365,8 +374,8 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
             split_list = tuple(int(s) for s in splits.reshape(-1).tolist())
         else:
             split_list = tuple(int(s) for s in splits)
-    req = _request(tensor, name or _basics.auto_name("alltoall"), ALLTOALL, process_set,
-                   splits=split_list, cacheable=False)
+    name = name or _basics.auto_name("alltoall", _set_id(process_set))
+    req = _request(tensor, name, ALLTOALL, process_set, splits=split_list, cacheable=False)
     entry = Entry(req, tensor.detach().contiguous())
     handle = _basics.submit([entry])
 
@@ -409,7 +418,7 @@ def _reducescatter_async(tensors, name, op, process_set, prescale_factor, postsc
     if op not in (Average, Sum, Min, Max, Product):
         raise ValueError("reducescatter supports op Average, Sum, Min, Max or Product")
     auto = name is None
-    base = _basics.auto_name("reducescatter") if auto else name
+    base = _basics.auto_name("reducescatter", _set_id(process_set)) if auto else name
     n = len(tensors)
     entries = []
     for i, t in enumerate(tensors):
@@ -444,9 +453,8 @@ class HorovodReducescatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         grad = allgather(grad_output.contiguous(), process_set=ctx.process_set)
-        if ctx.op == Average:
-            grad = grad / (ctx.process_set or global_process_set).size()
-        grad = grad * (ctx.prescale_factor * ctx.postscale_factor)
+        if ctx.op == Sum:  # Horovod's definition: the gradient of Sum is scaled by the set size
+            grad = grad * (ctx.process_set or global_process_set).size()
         return grad, None, None, None, None, None
 
 
@@ -469,7 +477,6 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
         ctx.op, ctx.process_set = op, process_set
-        ctx.scale = prescale_factor * postscale_factor
         return tuple(synchronize(grouped_reducescatter_async(list(tensors), name, op, process_set,
                                                              prescale_factor, postscale_factor)))
 
@@ -477,9 +484,9 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
     def backward(ctx, *grads):
         ps = ctx.process_set or global_process_set
         out = grouped_allgather([g.contiguous() for g in grads], process_set=ps)
-        if ctx.op == Average:
-            out = [g / ps.size() for g in out]
-        return (None, None, None, None, None, *[g * ctx.scale for g in out])
+        if ctx.op == Sum:
+            out = [g * ps.size() for g in out]
+        return (None, None, None, None, None, *out)
 
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
