@@ -1,12 +1,15 @@
 """Each collective, written once: run one (possibly fused) response on a process set's communicator.
 
-Frontends never get here directly; the engine's background thread calls `execute` in the order the
-coordinator decided. Inputs may live on any device; transports that want CPU buffers get them
-through the fusion buffer.
+Frontends never get here directly. Each collective is a generator: it copies into its buffer,
+launches the transport call and yields the pending work; whoever drives it (the engine's finisher
+thread) waits for that work and resumes it to scale and copy out. So the engine's background
+thread launches one collective and goes back to negotiating the next while the transport runs.
+Inputs may live on any device; transports that want CPU buffers get them through fusion buffers.
 """
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -20,20 +23,35 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 class FusionBuffer:
-    """One persistent byte buffer per device, grown on demand and reused every step."""
+    """Persistent byte buffers per device, reused every step.
+
+    Several fused collectives can be in flight at once, so buffers are lent out and returned;
+    a few idle ones are kept, so steady-state training allocates nothing.
+    """
+
+    KEEP = 4
 
     def __init__(self):
-        self._bufs: dict[str, torch.Tensor] = {}
+        self._free: dict[str, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
 
-    def get(self, nbytes: int, device: str = "cpu") -> torch.Tensor:
-        buf = self._bufs.get(device)
-        if buf is None or buf.numel() < nbytes:
-            size = max(nbytes, 1 << 16)
-            if buf is not None:
-                size = max(size, int(buf.numel() * 1.5))
-            size = (size + 63) // 64 * 64
-            buf = self._bufs[device] = torch.empty(size, dtype=torch.uint8, device=device)
-        return buf[:nbytes]
+    def acquire(self, nbytes: int, device: str = "cpu") -> torch.Tensor:
+        with self._lock:
+            free = self._free.setdefault(device, [])
+            fits = [b for b in free if b.numel() >= nbytes]
+            if fits:
+                buf = min(fits, key=lambda b: b.numel())
+                free.remove(buf)
+                return buf
+        size = (max(nbytes, 1 << 16) + 63) // 64 * 64
+        return torch.empty(size, dtype=torch.uint8, device=device)
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            free = self._free.setdefault(buf.device.type, [])
+            free.append(buf)
+            if len(free) > self.KEEP:
+                free.remove(min(free, key=lambda b: b.numel()))
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -78,12 +96,20 @@ class Executor:
                 out.copy_(src)
             scale_(out, resp.prescale)
             self._tl(names, "ALLREDUCE")
-            comm.allreduce(out, op)
+            yield comm.allreduce(out, op)
             scale_(out, post)
             return
         itemsize = torch.empty((), dtype=dtype).element_size()
         counts = [math.prod(s) for s in resp.shapes]
-        buf = self.fusion.get(sum(counts) * itemsize, comm.device).view(dtype)
+        raw = self.fusion.acquire(sum(counts) * itemsize, comm.device)
+        try:
+            yield from self._allreduce_fused(comm, resp, inputs, outputs, op, post, counts,
+                                             raw[:sum(counts) * itemsize].view(dtype))
+        finally:
+            self.fusion.release(raw)
+
+    def _allreduce_fused(self, comm, resp, inputs, outputs, op, post, counts, buf):
+        names = resp.names
         self._tl(names, "MEMCPY_IN_FUSION_BUFFER")
         offset = 0
         for src, n in zip(inputs, counts):
@@ -95,7 +121,7 @@ class Executor:
             offset += n
         scale_(buf, resp.prescale)
         self._tl(names, "ALLREDUCE")
-        comm.allreduce(buf, op)
+        yield comm.allreduce(buf, op)
         scale_(buf, post)
         self._tl(names, "MEMCPY_OUT_FUSION_BUFFER")
         offset = 0
@@ -120,7 +146,16 @@ class Executor:
         seg = [sum(rows[t][r] * row_elems[t] for t in range(len(inputs))) for r in range(size)]
         seg_max = max(seg) if seg else 0
         itemsize = torch.empty((), dtype=dtype).element_size()
-        buf = self.fusion.get(seg_max * (size + 1) * itemsize, comm.device).view(dtype)
+        raw = self.fusion.acquire(seg_max * (size + 1) * itemsize, comm.device)
+        try:
+            return (yield from self._reducescatter(comm, resp, inputs, op, post, rows, row_elems,
+                                                   seg_max, raw[:seg_max * (size + 1) * itemsize]
+                                                   .view(dtype)))
+        finally:
+            self.fusion.release(raw)
+
+    def _reducescatter(self, comm, resp, inputs, op, post, rows, row_elems, seg_max, buf):
+        size, me = comm.size, comm.rank
         send, recv = buf[:seg_max * size], buf[seg_max * size:]
         self._tl(resp.names, "MEMCPY_IN_FUSION_BUFFER")
         send.zero_()
@@ -134,7 +169,8 @@ class Executor:
                 start_row += rows[t][r]
         scale_(send, resp.prescale)
         self._tl(resp.names, "REDUCESCATTER")
-        comm.reducescatter(recv, [send[r * seg_max:(r + 1) * seg_max] for r in range(size)], op)
+        yield comm.reducescatter(recv, [send[r * seg_max:(r + 1) * seg_max] for r in range(size)],
+                                 op)
         scale_(recv, post)
         self._tl(resp.names, "MEMCPY_OUT_FUSION_BUFFER")
         outs, off = [], 0
@@ -156,11 +192,20 @@ class Executor:
                             device=inputs[t].device) for t in range(len(inputs))]
         if (len(inputs) == 1 and len(set(dims[0])) == 1 and _on(comm, inputs[0])):
             self._tl(resp.names, "ALLGATHER")
-            comm.allgather(as_bytes(outs[0]), as_bytes(inputs[0].contiguous()))
+            yield comm.allgather(as_bytes(outs[0]), as_bytes(inputs[0].contiguous()))
             return outs
         contrib = [sum(dims[t][r] * row_bytes[t] for t in range(len(inputs))) for r in range(size)]
         seg = max(contrib)
-        buf = self.fusion.get(seg * (size + 1), comm.device)
+        raw = self.fusion.acquire(seg * (size + 1), comm.device)
+        try:
+            yield from self._allgather_fused(comm, resp, inputs, outs, row_bytes, seg,
+                                             raw[:seg * (size + 1)])
+        finally:
+            self.fusion.release(raw)
+        return outs
+
+    def _allgather_fused(self, comm, resp, inputs, outs, row_bytes, seg, buf):
+        size, dims = comm.size, resp.rank_dims
         send, recv = buf[:seg], buf[seg:]
         self._tl(resp.names, "MEMCPY_IN_FUSION_BUFFER")
         off = 0
@@ -169,7 +214,7 @@ class Executor:
             send[off:off + b.numel()].copy_(b)
             off += b.numel()
         self._tl(resp.names, "ALLGATHER")
-        comm.allgather(recv, send)
+        yield comm.allgather(recv, send)
         self._tl(resp.names, "MEMCPY_OUT_FUSION_BUFFER")
         for t, out in enumerate(outs):
             ob = as_bytes(out)
@@ -179,7 +224,6 @@ class Executor:
                 n = dims[t][r] * row_bytes[t]
                 ob[out_off:out_off + n].copy_(recv[in_off:in_off + n])
                 out_off += n
-        return outs
 
     # ------------------------------------------------------------------ broadcast
     def broadcast(self, comm, resp: Response, inputs: list, outputs: list) -> None:
@@ -189,10 +233,18 @@ class Executor:
             if comm.rank == root and inputs[0] is not out:
                 out.copy_(inputs[0])
             self._tl(resp.names, "BROADCAST")
-            comm.broadcast(as_bytes(out), root)
+            yield comm.broadcast(as_bytes(out), root)
             return
         sizes = [as_bytes(o).numel() for o in outputs]
-        buf = self.fusion.get(sum(sizes), comm.device)
+        raw = self.fusion.acquire(sum(sizes), comm.device)
+        try:
+            yield from self._broadcast_fused(comm, resp, inputs, outputs, sizes,
+                                             raw[:sum(sizes)])
+        finally:
+            self.fusion.release(raw)
+
+    def _broadcast_fused(self, comm, resp, inputs, outputs, sizes, buf):
+        root = resp.root_rank
         if comm.rank == root:
             self._tl(resp.names, "MEMCPY_IN_FUSION_BUFFER")
             off = 0
@@ -200,7 +252,7 @@ class Executor:
                 buf[off:off + n].copy_(as_bytes(src.contiguous()))
                 off += n
         self._tl(resp.names, "BROADCAST")
-        comm.broadcast(buf, root)
+        yield comm.broadcast(buf, root)
         self._tl(resp.names, "MEMCPY_OUT_FUSION_BUFFER")
         off = 0
         for out, n in zip(outputs, sizes):
@@ -221,14 +273,15 @@ class Executor:
         if not _on(comm, inp):
             inp = inp.to(comm.device)
         self._tl(resp.names, "ALLTOALL")
-        comm.alltoall(as_bytes(out), as_bytes(inp), [r * row for r in recv_rows],
-                      [r * row for r in send_rows])
+        yield comm.alltoall(as_bytes(out), as_bytes(inp), [r * row for r in recv_rows],
+                            [r * row for r in send_rows])
         return out.to(src.device), torch.tensor(recv_rows, dtype=torch.int32)
 
 
-def run(executor: Executor, comm, resp: Response, entries: list) -> None:
-    """Execute `resp` on `comm`; store each entry's result (entries[i] may be None when this
-    rank has joined and contributes zeros)."""
+def run(executor: Executor, comm, resp: Response, entries: list):
+    """Generator executing `resp` on `comm`: yields each pending transport work; when exhausted,
+    every entry's result is stored (entries[i] may be None when this rank has joined and
+    contributes zeros)."""
     t = resp.type
     inputs = [e.tensor if e is not None else None for e in entries]
     if t in (ALLREDUCE, ADASUM_OP):
@@ -238,25 +291,25 @@ def run(executor: Executor, comm, resp: Response, entries: list) -> None:
             # A joined rank contributes zeros of the agreed shape.
             inputs = [i if i is not None else torch.zeros(s, dtype=dtype)
                       for i, s in zip(inputs, resp.shapes)]
-        executor.allreduce(comm, resp, inputs, outputs)
+        yield from executor.allreduce(comm, resp, inputs, outputs)
         for e in entries:
             if e is not None:
                 e.result = e.output
     elif t == ALLGATHER:
-        outs = executor.allgather(comm, resp, inputs)
+        outs = yield from executor.allgather(comm, resp, inputs)
         for e, o in zip(entries, outs):
             e.result = o
     elif t == BROADCAST:
         outputs = [e.output for e in entries]
-        executor.broadcast(comm, resp, inputs, outputs)
+        yield from executor.broadcast(comm, resp, inputs, outputs)
         for e in entries:
             e.result = e.output
     elif t == REDUCESCATTER:
-        outs = executor.reducescatter(comm, resp, inputs)
+        outs = yield from executor.reducescatter(comm, resp, inputs)
         for e, o in zip(entries, outs):
             e.result = o
     elif t == ALLTOALL:
-        out, splits = executor.alltoall(comm, resp, inputs[0])
+        out, splits = yield from executor.alltoall(comm, resp, inputs[0])
         entries[0].result = out
         entries[0].extra = splits
     else:

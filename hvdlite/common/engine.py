@@ -2,14 +2,16 @@
 
     frontend --enqueue--> queue --(control socket)--> coordinator --responses--> execute --> handles
 
-The thread sends new requests (or their cache bits) to the coordinator, executes the responses it
-gets back in order on the process set's communicator, and completes handles. Any failure completes
-every pending handle with HorovodInternalError, so no caller waits forever.
+The background thread sends new requests (or their cache bits) to the coordinator and launches
+the responses it gets back, in order, on the process set's communicator; a finisher thread waits
+for each launched transport call in the same order, copies results out and completes handles.
+So negotiation of the next tensors overlaps the transport of the previous ones. Any failure
+completes every pending handle with HorovodInternalError, so no caller waits forever.
 """
 from __future__ import annotations
 
 import logging
-import os
+import queue
 import selectors
 import socket
 import threading
@@ -20,6 +22,7 @@ from typing import Any, Callable
 
 from . import collectives
 from .exceptions import HorovodInternalError
+from .backends.local import DONE
 from .messages import (ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, ADASUM_OP, BARRIER,
                        BROADCAST, ERROR, JOIN, REDUCESCATTER, REMOVE_PROCESS_SET, TYPE_NAMES,
                        Request, Response)
@@ -111,12 +114,20 @@ class Engine:
         self._closed: str | None = None
         self._stopping = False
         self._last_send = 0.0
+        # Launched collectives, in launch order, until the finisher completes them.
+        self._transport: queue.Queue = queue.Queue(maxsize=64)
+        self._in_transport: dict[int, list] = {}
+        self._transport_seq = 0
+        self._idle = threading.Condition(self._lock)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._sel.register(channel.sock, selectors.EVENT_READ, "hub")
         self.thread = threading.Thread(target=self._run, name="hvdlite-background", daemon=True)
+        self.finisher = threading.Thread(target=self._finish_loop, name="hvdlite-finisher",
+                                         daemon=True)
+        self.finisher.start()
         self.thread.start()
 
     # ------------------------------------------------------------------ frontend side
@@ -169,6 +180,7 @@ class Engine:
         self._wake()
         if threading.current_thread() is not self.thread:
             self.thread.join(timeout)
+            self.finisher.join(timeout)
         for comm in self.comms.values():
             comm.close()
         self.comms.clear()
@@ -181,6 +193,7 @@ class Engine:
             log.exception("hvdlite background thread failed")
             self._close(f"hvdlite background thread failed on rank {self.rank}: {exc!r}")
         finally:
+            self._transport.put(None)
             # Closing the channel tells the coordinator this rank is gone (a crash, unless "S"
             # was sent first).
             self.channel.close()
@@ -201,7 +214,8 @@ class Engine:
                 left = self.cycle_s - (time.monotonic() - self._last_send)
                 # The cycle time batches tensors that arrive while earlier ones are still being
                 # negotiated or reduced; with nothing outstanding, waiting only adds latency.
-                if left <= 0 or len(self._inflight) == len(self._queue):
+                if left <= 0 or (len(self._inflight) == len(self._queue)
+                                 and not self._in_transport):
                     self._send_queued()
                 else:
                     timeout = left
@@ -340,6 +354,7 @@ class Engine:
                     e.handle._complete_one()
             return
         if resp.type == REMOVE_PROCESS_SET:
+            self._wait_transport_idle()
             sid = resp.extra
             self.set_ranks.pop(sid, None)
             comm = self.comms.pop(sid, None)
@@ -361,22 +376,63 @@ class Engine:
         if tl is not None:
             tl.start_op(resp.names, TYPE_NAMES[resp.type],
                         {"dtype": resp.dtype, "shape": str(resp.shapes[0]) if resp.shapes else ""})
+        with self._lock:
+            seq = self._transport_seq
+            self._transport_seq += 1
+            self._in_transport[seq] = [e for e in entries if e is not None]
         try:
-            collectives.run(self.executor, self._comm(set_id), resp, entries)
-        except Exception as exc:
-            if tl is not None:
-                tl.activity_end(resp.names)
-                tl.end_op(resp.names)
-            self._report_failure(
-                f"{TYPE_NAMES[resp.type]} of {resp.names[:4]} failed on rank {self.rank}: "
-                f"{type(exc).__name__}: {exc}")
+            gen = collectives.run(self.executor, self._comm(set_id), resp, entries)
+            work = next(gen)
+            while work is DONE:  # a one-rank set: nothing to wait for, finish here
+                work = gen.send(None)
+        except StopIteration:
+            self._done(seq, resp, tl)
             return
+        except Exception as exc:
+            self._op_failed(seq, resp, tl, exc)
+            return
+        self._transport.put((seq, gen, work, resp, tl))
+
+    def _finish_loop(self) -> None:
+        """Wait for launched collectives in launch order; resume each to copy results out."""
+        while True:
+            item = self._transport.get()
+            if item is None:
+                return
+            seq, gen, work, resp, tl = item
+            try:
+                while True:
+                    work.wait()
+                    work = gen.send(None)
+            except StopIteration:
+                self._done(seq, resp, tl)
+            except Exception as exc:
+                self._op_failed(seq, resp, tl, exc)
+
+    def _done(self, seq: int, resp: Response, tl) -> None:
         if tl is not None:
             tl.activity_end(resp.names)
             tl.end_op(resp.names)
+        with self._lock:
+            entries = self._in_transport.pop(seq, [])
+            self._idle.notify_all()
         for e in entries:
-            if e is not None:
-                e.handle._complete_one()
+            e.handle._complete_one()
+
+    def _op_failed(self, seq: int, resp: Response, tl, exc: Exception) -> None:
+        if tl is not None:
+            tl.activity_end(resp.names)
+            tl.end_op(resp.names)
+        self._report_failure(
+            f"{TYPE_NAMES[resp.type]} of {resp.names[:4]} failed on rank {self.rank}: "
+            f"{type(exc).__name__}: {exc}")
+
+    def _wait_transport_idle(self) -> None:
+        """Block until every launched collective has finished (before tearing a communicator
+        down); a failure ends the wait too."""
+        with self._lock:
+            while self._in_transport and self._closed is None:
+                self._idle.wait(0.1)
 
     def _report_failure(self, message: str) -> None:
         try:
@@ -392,6 +448,10 @@ class Engine:
                 self._closed = reason
             reason = self._closed
             pending = list(self._inflight.values())
+            for launched in self._in_transport.values():
+                pending.extend(launched)
+            self._in_transport.clear()
+            self._idle.notify_all()
             self._inflight.clear()
             self._queue.clear()
         for e in pending:

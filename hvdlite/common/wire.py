@@ -11,6 +11,7 @@ import hmac
 import pickle
 import socket
 import struct
+import threading
 
 _HEADER = struct.Struct("!IQ")       # payload length, sequence number
 _MAC_LEN = 32
@@ -29,6 +30,7 @@ class Channel:
         self.send_seq = 0
         self.recv_seq = 0
         self._buf = bytearray()
+        self._send_lock = threading.Lock()
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def fileno(self) -> int:
@@ -37,14 +39,13 @@ class Channel:
     def _mac(self, header: bytes, payload: bytes) -> bytes:
         return hmac.new(self.key, header + payload, hashlib.sha256).digest()
 
-    def encode(self, obj) -> bytes:
-        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        header = _HEADER.pack(len(payload), self.send_seq)
-        self.send_seq += 1
-        return header + self._mac(header, payload) + payload
-
     def send(self, obj) -> None:
-        self.sock.sendall(self.encode(obj))
+        """Thread-safe: frames from different threads never interleave."""
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            header = _HEADER.pack(len(payload), self.send_seq)
+            self.send_seq += 1
+            self.sock.sendall(header + self._mac(header, payload) + payload)
 
     def feed(self) -> bool:
         """Read what the socket has (one recv). Returns False on EOF."""

@@ -1,7 +1,8 @@
 """The data-plane interface every transport implements (gloo, mpi, nccl).
 
-All calls are blocking and collective over the process set: the engine calls them only in the
-order the coordinator decided, from its one background thread. Byte-oriented ops (allgather,
+Every call is collective over the process set and returns a pending work object with `.wait()`:
+the engine launches calls only in the order the coordinator decided, from its one background
+thread, and a finisher thread waits for them in that order. Byte-oriented ops (allgather,
 broadcast, alltoall) receive uint8 views so a transport needs no dtype knowledge for them.
 """
 from __future__ import annotations
@@ -11,25 +12,30 @@ from typing import Protocol
 import torch
 
 
+class Work(Protocol):
+    def wait(self) -> None:
+        """Block until the collective finished; raise if it failed."""
+
+
 class Communicator(Protocol):
     rank: int
     size: int
     device: str            # "cpu" or "cuda": where buffers must live
 
-    def allreduce(self, tensor: torch.Tensor, op: int) -> None:
+    def allreduce(self, tensor: torch.Tensor, op: int) -> Work:
         """In place. op is messages.SUM/MIN/MAX/PRODUCT (Average is SUM + postscale)."""
 
-    def reducescatter(self, output: torch.Tensor, chunks: list[torch.Tensor], op: int) -> None:
+    def reducescatter(self, output: torch.Tensor, chunks: list[torch.Tensor], op: int) -> Work:
         """chunks[i] (equal sizes) is this rank's contribution to rank i's output."""
 
-    def allgather(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+    def allgather(self, output: torch.Tensor, tensor: torch.Tensor) -> Work:
         """uint8: output is size * len(tensor) bytes, rank-major."""
 
-    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Work:
         """uint8, in place."""
 
     def alltoall(self, output: torch.Tensor, tensor: torch.Tensor, out_splits: list[int],
-                 in_splits: list[int]) -> None:
+                 in_splits: list[int]) -> Work:
         """uint8; splits in bytes."""
 
     def close(self) -> None:

@@ -17,7 +17,20 @@ _OPS = {SUM: dist.ReduceOp.SUM, MIN: dist.ReduceOp.MIN, MAX: dist.ReduceOp.MAX,
 _WIDEN = {torch.int16: torch.int32}
 
 
+class _Widened:
+    """A pending int16 reduction done in int32: copies back once the transport finishes."""
+
+    def __init__(self, work, wide: torch.Tensor, out: torch.Tensor):
+        self.work, self.wide, self.out = work, wide, out
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.out.copy_(self.wide)
+
+
 class GlooCommunicator:
+    """Every call launches the collective and returns its pending work (`.wait()`)."""
+
     device = "cpu"
 
     def __init__(self, store, prefix: str, rank: int, size: int, timeout_s: float):
@@ -26,42 +39,38 @@ class GlooCommunicator:
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size,
                                         datetime.timedelta(seconds=timeout_s))
 
-    def allreduce(self, tensor: torch.Tensor, op: int) -> None:
+    def allreduce(self, tensor: torch.Tensor, op: int):
         wide = _WIDEN.get(tensor.dtype)
         work = tensor.to(wide) if wide is not None else tensor
         opts = dist.AllreduceOptions()
         opts.reduceOp = _OPS[op]
-        self.pg.allreduce([work], opts).wait()
-        if wide is not None:
-            tensor.copy_(work)
+        pending = self.pg.allreduce([work], opts)
+        return _Widened(pending, work, tensor) if wide is not None else pending
 
-    def reducescatter(self, output: torch.Tensor, chunks: list[torch.Tensor], op: int) -> None:
+    def reducescatter(self, output: torch.Tensor, chunks: list[torch.Tensor], op: int):
         wide = _WIDEN.get(output.dtype)
+        out = output.to(wide) if wide is not None else output
         if wide is not None:
-            out = output.to(wide)
             chunks = [c.to(wide) for c in chunks]
-        else:
-            out = output
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = _OPS[op]
-        self.pg.reduce_scatter([out], [chunks], opts).wait()
-        if wide is not None:
-            output.copy_(out)
+        pending = self.pg.reduce_scatter([out], [chunks], opts)
+        return _Widened(pending, out, output) if wide is not None else pending
 
-    def allgather(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+    def allgather(self, output: torch.Tensor, tensor: torch.Tensor):
         n = tensor.numel()
         outs = [output[i * n:(i + 1) * n] for i in range(self.size)]
-        self.pg.allgather([outs], [tensor]).wait()
+        return self.pg.allgather([outs], [tensor])
 
-    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+    def broadcast(self, tensor: torch.Tensor, root: int):
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        self.pg.broadcast([tensor], opts).wait()
+        return self.pg.broadcast([tensor], opts)
 
     def alltoall(self, output: torch.Tensor, tensor: torch.Tensor, out_splits: list[int],
-                 in_splits: list[int]) -> None:
-        self.pg.alltoall_base(output, tensor, list(out_splits), list(in_splits),
-                              dist.AllToAllOptions()).wait()
+                 in_splits: list[int]):
+        return self.pg.alltoall_base(output, tensor, list(out_splits), list(in_splits),
+                                     dist.AllToAllOptions())
 
     def close(self) -> None:
         try:

@@ -4,25 +4,39 @@ from __future__ import annotations
 import torch
 
 
+class Done:
+    """Work that is already finished."""
+
+    @staticmethod
+    def wait() -> None:
+        pass
+
+
+DONE = Done()
+
+
 class SelfCommunicator:
     rank = 0
     size = 1
     device = "cpu"
 
-    def allreduce(self, tensor: torch.Tensor, op: int) -> None:
-        pass
+    def allreduce(self, tensor: torch.Tensor, op: int) -> Done:
+        return DONE
 
-    def reducescatter(self, output: torch.Tensor, chunks: list[torch.Tensor], op: int) -> None:
+    def reducescatter(self, output: torch.Tensor, chunks: list[torch.Tensor], op: int) -> Done:
         output.copy_(chunks[0])
+        return DONE
 
-    def allgather(self, output: torch.Tensor, tensor: torch.Tensor) -> None:
+    def allgather(self, output: torch.Tensor, tensor: torch.Tensor) -> Done:
         output.copy_(tensor)
+        return DONE
 
-    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
-        pass
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Done:
+        return DONE
 
-    def alltoall(self, output, tensor, out_splits, in_splits) -> None:
+    def alltoall(self, output, tensor, out_splits, in_splits) -> Done:
         output.copy_(tensor)
+        return DONE
 
     def close(self) -> None:
         pass
