@@ -38,11 +38,10 @@ class FusionBuffer:
     def acquire(self, nbytes: int, device: str = "cpu") -> torch.Tensor:
         with self._lock:
             free = self._free.setdefault(device, [])
-            fits = [b for b in free if b.numel() >= nbytes]
+            fits = [i for i, b in enumerate(free) if b.numel() >= nbytes]
             if fits:
-                buf = min(fits, key=lambda b: b.numel())
-                free.remove(buf)
-                return buf
+                # By index: list.remove would compare tensors with ==, elementwise.
+                return free.pop(min(fits, key=lambda i: free[i].numel()))
         size = (max(nbytes, 1 << 16) + 63) // 64 * 64
         return torch.empty(size, dtype=torch.uint8, device=device)
 
@@ -51,7 +50,7 @@ class FusionBuffer:
             free = self._free.setdefault(buf.device.type, [])
             free.append(buf)
             if len(free) > self.KEEP:
-                free.remove(min(free, key=lambda b: b.numel()))
+                free.pop(min(range(len(free)), key=lambda i: free[i].numel()))
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

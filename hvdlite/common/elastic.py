@@ -1,0 +1,294 @@
+"""Elastic training runtime shared by every frontend (Horovod's horovod/common/elastic.py).
+
+A frontend builds its states on `State`/`ObjectState` and wraps the user's training function with
+`run_fn(func, reset)`, where `reset` shuts its engine down and initialises it again. Everything
+here is framework-independent: the few collectives it needs (agreeing on a sync, broadcasting
+pickled objects) go straight through the common engine.
+
+How a reset works, and how it differs from Horovod:
+
+- A peer failure makes every survivor's collectives raise `HorovodInternalError`. `run_fn` rolls
+  the state back to its last `commit()` (`restore()`), re-initialises (the driver assigns the
+  new membership and a new round), and carries on.
+- A change of hosts reaches every worker from the driver; `check_host_updates()` (called by
+  `commit()`) turns it into a `HostsUpdatedInterrupt` on all ranks at the same step, because the
+  ranks first agree on what they have heard through one small allgather.
+- After every (re)initialisation, before the training function runs, every rank takes part in one
+  allgather of `(needs_sync, commit_count)`. The ranks sync iff any rank needs it (a new worker,
+  a rank that rolled back) or their commit counts differ, and the state comes from the rank with
+  the most commits. All ranks see the same gathered values, so they can never disagree on whether
+  to sync: the deadlock of horovod#3494 (survivors skipping the sync that new workers wait in)
+  cannot happen.
+"""
+from __future__ import annotations
+
+import copy
+import enum
+import functools
+import io
+import logging
+import queue
+from typing import Any, Callable, Iterable, Optional
+
+from . import basics, rendezvous
+from .exceptions import HorovodInternalError, HostsUpdatedInterrupt
+
+log = logging.getLogger("hvdlite")
+
+__all__ = ["State", "ObjectState", "HostUpdateResult", "run_fn", "broadcast_object",
+           "is_elastic", "HorovodInternalError", "HostsUpdatedInterrupt"]
+
+# Collective names used by the runtime; fixed, so that survivors and new workers agree.
+_AGREE_NAME = "hvdlite.elastic.reset_agreement"
+_HOSTS_NAME = "hvdlite.elastic.host_updates"
+
+
+class HostUpdateResult(enum.IntFlag):
+    """What changed in a host update (Horovod's values)."""
+
+    no_update = 0
+    removed = 1
+    added = 2
+    mixed = 3
+
+
+def is_elastic() -> bool:
+    """True in a worker started by `hvdlite-run` in elastic mode."""
+    return rendezvous.is_elastic_worker()
+
+
+# ---------------------------------------------------------------------- engine helpers
+def _engine_allgather_int64(values: list[int], name: str) -> list[list[int]]:
+    """Every rank's `values` (same length everywhere), in rank order."""
+    import torch
+
+    from .engine import Entry
+    from .messages import ALLGATHER, Request
+
+    t = torch.tensor([list(values)], dtype=torch.int64)
+    req = Request(rank=basics.rank(), name=name, type=ALLGATHER, dtype="int64",
+                  shape=tuple(t.shape), device=-1, process_set_id=0, cacheable=True)
+    (out,) = basics.wait(basics.submit([Entry(req, t)]))
+    return [list(map(int, row)) for row in out.reshape(-1, len(values)).tolist()]
+
+
+def _engine_broadcast_(tensor, root_rank: int, name: str, cacheable: bool) -> None:
+    from .engine import Entry
+    from .messages import BROADCAST, Request
+
+    dtype = {"torch.int64": "int64", "torch.uint8": "uint8"}[str(tensor.dtype)]
+    req = Request(rank=basics.rank(), name=name, type=BROADCAST, dtype=dtype,
+                  shape=tuple(tensor.shape), root_rank=int(root_rank), device=-1,
+                  process_set_id=0, cacheable=cacheable)
+    basics.wait(basics.submit([Entry(req, tensor, tensor)]))
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
+    """Pickle `obj` on `root_rank` and return it on every rank (framework-independent)."""
+    import cloudpickle
+    import torch
+
+    if basics.size() == 1:
+        return obj
+    name = name or "hvdlite.elastic.broadcast_object"
+    is_root = basics.rank() == root_rank
+    data = cloudpickle.dumps(obj) if is_root else b""
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    _engine_broadcast_(length, root_rank, name + ".sz", cacheable=True)
+    n = int(length.item())
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if is_root \
+        else torch.empty(n, dtype=torch.uint8)
+    _engine_broadcast_(buf, root_rank, name + ".data", cacheable=False)
+    if is_root:
+        return obj
+    return cloudpickle.load(io.BytesIO(buf.numpy().tobytes()))
+
+
+# ---------------------------------------------------------------------- states
+class State:
+    """Training state that can be committed in memory, rolled back, and synced to new workers.
+
+    Subclasses implement `save()` (copy the current values aside), `restore()` (go back to the
+    copy) and `sync()` (make every rank's current values equal to those of rank
+    `self.sync_root`), and may override `reset()` (adapt to a new world size, e.g. samplers).
+
+    `bcast_object(obj, root_rank)` and `get_rank()` default to framework-independent ones.
+    """
+
+    def __init__(self, bcast_object: Optional[Callable[..., Any]] = None,
+                 get_rank: Optional[Callable[[], int]] = None) -> None:
+        self._bcast_object = bcast_object or broadcast_object
+        self._rank = get_rank or basics.rank
+        self._host_messages: "queue.Queue[tuple[int, int]]" = queue.Queue()
+        self._last_updated_timestamp = 0
+        self._reset_callbacks: list[Callable[[], Any]] = []
+        # How many commits this state has seen. All ranks commit at the same steps, so equal
+        # counts mean equal states; after a rollback the rank with the most commits is the
+        # source of truth (one that finished a commit its peers did not reach).
+        self._commit_count = 0
+        self._sync_root = 0
+
+    # -- Horovod's public API ------------------------------------------------------------
+    def register_reset_callbacks(self, callbacks: Iterable[Callable[[], Any]]) -> None:
+        """Functions called after every reset, once the new membership is known (e.g. to
+        scale the learning rate by the new `size()`)."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        """Called by `run` after each re-initialisation."""
+        self._floor_timestamp()
+        self.reset()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def on_hosts_updated(self, timestamp: int, update_res: int) -> None:
+        """Listener for the driver's host updates (called from the notification thread)."""
+        self._host_messages.put((int(timestamp), int(update_res)))
+
+    def commit(self) -> None:
+        """Save the state in memory (the point `restore()` goes back to), then check for host
+        updates. A collective when elastic: every rank must commit at the same steps."""
+        self._commit_count += 1
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raise `HostsUpdatedInterrupt` on every rank when any rank has heard of a host change.
+
+        A collective in an elastic job of more than one rank (one allgather of two integers).
+        """
+        self._floor_timestamp()
+        previous = self._last_updated_timestamp
+        latest, flags = previous, 0
+        while True:
+            try:
+                timestamp, result = self._host_messages.get_nowait()
+            except queue.Empty:
+                break
+            if timestamp > previous:
+                latest = max(latest, timestamp)
+                flags |= result
+        if is_elastic() and basics.size() > 1:
+            rows = _engine_allgather_int64([latest, flags], _HOSTS_NAME)
+            latest = max(row[0] for row in rows)
+            flags = 0
+            for ts, f in rows:
+                if ts > previous:
+                    flags |= f
+        if latest > previous:
+            self._last_updated_timestamp = latest
+            raise HostsUpdatedInterrupt(skip_sync=flags == HostUpdateResult.removed)
+
+    @property
+    def sync_root(self) -> int:
+        """The rank `sync()` must broadcast from (chosen by the reset agreement)."""
+        return self._sync_root
+
+    # -- for subclasses ------------------------------------------------------------------
+    def save(self) -> None:
+        raise NotImplementedError()
+
+    def restore(self) -> None:
+        raise NotImplementedError()
+
+    def sync(self) -> None:
+        raise NotImplementedError()
+
+    def reset(self) -> None:
+        pass
+
+    # -- runtime -------------------------------------------------------------------------
+    def _floor_timestamp(self) -> None:
+        """Updates the driver already reflected in the current round are not news."""
+        link = rendezvous.driver_link()
+        if link is not None and link.round_serial > self._last_updated_timestamp:
+            self._last_updated_timestamp = link.round_serial
+
+    def _agree_and_sync(self, need_sync: bool) -> bool:
+        """The collective every rank runs after each (re)initialisation: agree on whether to
+        sync and from which rank, then sync. Returns whether it synced."""
+        if basics.size() == 1:
+            return False
+        rows = _engine_allgather_int64([1 if need_sync else 0, self._commit_count], _AGREE_NAME)
+        counts = [row[1] for row in rows]
+        best = max(counts)
+        root = counts.index(best)
+        if not any(row[0] for row in rows) and len(set(counts)) == 1:
+            return False
+        self._sync_root = root
+        self.sync()
+        self._commit_count = best
+        self.save()
+        return True
+
+
+class ObjectState(State):
+    """Plain Python attributes kept as state: `ObjectState(epoch=0, batch=0)` then
+    `state.epoch += 1`. Values are deep-copied on save and restore, so a list mutated in place
+    is rolled back too. Horovod's positional `(bcast_object, get_rank, **kwargs)` also works."""
+
+    def __init__(self, bcast_object: Optional[Callable[..., Any]] = None,
+                 get_rank: Optional[Callable[[], int]] = None, **kwargs: Any) -> None:
+        self._saved_state = copy.deepcopy(kwargs)
+        self._set_attrs()
+        super().__init__(bcast_object=bcast_object, get_rank=get_rank)
+
+    def save(self) -> None:
+        self._saved_state = {attr: copy.deepcopy(getattr(self, attr))
+                             for attr in self._saved_state}
+
+    def restore(self) -> None:
+        self._set_attrs()
+
+    def sync(self) -> None:
+        if self._saved_state:
+            current = {attr: getattr(self, attr) for attr in self._saved_state}
+            synced = self._bcast_object(current, self.sync_root)
+            for attr, value in synced.items():
+                setattr(self, attr, value)
+            self.save()
+
+    def _set_attrs(self) -> None:
+        for attr, value in self._saved_state.items():
+            setattr(self, attr, copy.deepcopy(value))
+
+
+# ---------------------------------------------------------------------- the run decorator
+def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[..., Any]:
+    """Wrap `func(state, *args, **kwargs)` so that it survives failures and host changes.
+
+    `reset` must shut the frontend down and initialise it again (new membership).
+    """
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        link = rendezvous.driver_link()
+        if link is not None:
+            link.add_listener(state.on_hosts_updated)
+        need_sync = True
+        reset_required = False
+        try:
+            while True:
+                try:
+                    if reset_required:
+                        reset()
+                        state.on_reset()
+                        reset_required = False
+                    state._agree_and_sync(need_sync)
+                    need_sync = False
+                    return func(state, *args, **kwargs)
+                except HorovodInternalError as exc:
+                    if not is_elastic():
+                        raise
+                    log.warning("hvdlite elastic: %s; rolling back to the last commit and "
+                                "re-forming the job", exc)
+                    state.restore()
+                    need_sync = True
+                except HostsUpdatedInterrupt as exc:
+                    need_sync = need_sync or not exc.skip_sync
+                reset_required = True
+        finally:
+            if link is not None:
+                link.remove_listener(state.on_hosts_updated)
+
+    return wrapper
