@@ -168,8 +168,7 @@ class Executor:
                 start_row += rows[t][r]
         scale_(send, resp.prescale)
         self._tl(resp.names, "REDUCESCATTER")
-        yield comm.reducescatter(recv, [send[r * seg_max:(r + 1) * seg_max] for r in range(size)],
-                                 op)
+        yield comm.reducescatter(recv, send, op)
         scale_(recv, post)
         self._tl(resp.names, "MEMCPY_OUT_FUSION_BUFFER")
         outs, off = [], 0

@@ -25,8 +25,8 @@ class Communicator(Protocol):
     def allreduce(self, tensor: torch.Tensor, op: int) -> Work:
         """In place. op is messages.SUM/MIN/MAX/PRODUCT (Average is SUM + postscale)."""
 
-    def reducescatter(self, output: torch.Tensor, chunks: list[torch.Tensor], op: int) -> Work:
-        """chunks[i] (equal sizes) is this rank's contribution to rank i's output."""
+    def reducescatter(self, output: torch.Tensor, tensor: torch.Tensor, op: int) -> Work:
+        """tensor holds size equal chunks; chunk i is this rank's contribution to rank i."""
 
     def allgather(self, output: torch.Tensor, tensor: torch.Tensor) -> Work:
         """uint8: output is size * len(tensor) bytes, rank-major."""

@@ -47,11 +47,13 @@ class GlooCommunicator:
         pending = self.pg.allreduce([work], opts)
         return _Widened(pending, work, tensor) if wide is not None else pending
 
-    def reducescatter(self, output: torch.Tensor, chunks: list[torch.Tensor], op: int):
+    def reducescatter(self, output: torch.Tensor, tensor: torch.Tensor, op: int):
         wide = _WIDEN.get(output.dtype)
         out = output.to(wide) if wide is not None else output
         if wide is not None:
-            chunks = [c.to(wide) for c in chunks]
+            tensor = tensor.to(wide)
+        n = out.numel()
+        chunks = [tensor[i * n:(i + 1) * n] for i in range(self.size)]
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = _OPS[op]
         pending = self.pg.reduce_scatter([out], [chunks], opts)

@@ -23,8 +23,8 @@ class SelfCommunicator:
     def allreduce(self, tensor: torch.Tensor, op: int) -> Done:
         return DONE
 
-    def reducescatter(self, output: torch.Tensor, chunks: list[torch.Tensor], op: int) -> Done:
-        output.copy_(chunks[0])
+    def reducescatter(self, output: torch.Tensor, tensor: torch.Tensor, op: int) -> Done:
+        output.copy_(tensor)
         return DONE
 
     def allgather(self, output: torch.Tensor, tensor: torch.Tensor) -> Done:

@@ -1,0 +1,154 @@
+"""Allreduce through hvdlite's API against the raw transport it runs on, in the same processes.
+
+    hvdlite-run -np 2 python benchmarks/allreduce.py [--json out.json] [--plot out.png]
+
+For each size from 4 KiB to 64 MiB: median latency and bus bandwidth (2(n-1)/n x bytes / time)
+of hvdlite.torch.allreduce (named, steady state: the response cache path) and of the raw gloo
+process group, alternating A B A B. Then 100 tensors of 4-256 KiB: hvdlite (async, fused)
+against the raw transport reducing them one by one.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import hvdlite.torch as hvd
+from hvdlite.common import rendezvous
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--min-bytes", type=int, default=4 << 10)
+    p.add_argument("--max-bytes", type=int, default=64 << 20)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="PNG plot (needs matplotlib)")
+    return p.parse_args()
+
+
+def iters_for(nbytes: int) -> int:
+    return max(5, min(200, (64 << 20) // max(nbytes, 1) // 4))
+
+
+def timed(fn, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def raw_group():
+    """A gloo process group straight on the job's store: the transport without hvdlite."""
+    ident = rendezvous.identify()
+    store = rendezvous.connect_store(ident, 60)
+    return dist.ProcessGroupGloo(dist.PrefixStore("bench/raw/", store), hvd.rank(), hvd.size(),
+                                 datetime.timedelta(seconds=60))
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(1)
+    hvd.init()
+    size = hvd.size()
+    raw = raw_group()
+    bus = 2 * (size - 1) / size
+    rows = []
+    nbytes = args.min_bytes
+    while nbytes <= args.max_bytes:
+        x = torch.ones(nbytes // 4)
+        name = f"bench.{nbytes}"
+        n = iters_for(nbytes)
+
+        def hv():
+            hvd.allreduce_(x, name=name, op=hvd.Sum)
+
+        def rw():
+            raw.allreduce([x]).wait()
+
+        hv()
+        rw()
+        a, b = [], []
+        for _ in range(args.rounds):
+            a.append(timed(hv, n))
+            b.append(timed(rw, n))
+        ta, tb = statistics.median(a), statistics.median(b)
+        rows.append({"bytes": nbytes, "hvdlite_us": ta * 1e6, "raw_us": tb * 1e6,
+                     "hvdlite_busbw_GBs": bus * nbytes / ta / 1e9,
+                     "raw_busbw_GBs": bus * nbytes / tb / 1e9, "ratio_bw": tb / ta})
+        nbytes *= 4
+
+    # Many small tensors: fusion against one-by-one on the raw transport.
+    g = torch.Generator().manual_seed(0)
+    sizes = [int(s) for s in torch.randint(1 << 10, 64 << 10, (100,), generator=g)]  # floats
+    tensors = [torch.ones(s) for s in sizes]
+    total = sum(sizes) * 4
+
+    def hv_many():
+        handles = [hvd.allreduce_async_(t, name=f"many.{i}", op=hvd.Sum)
+                   for i, t in enumerate(tensors)]
+        for h in handles:
+            hvd.synchronize(h)
+
+    def raw_many():
+        for t in tensors:
+            raw.allreduce([t]).wait()
+
+    hv_many()
+    raw_many()
+    a, b = [], []
+    for _ in range(args.rounds):
+        a.append(timed(hv_many, 3))
+        b.append(timed(raw_many, 3))
+    many = {"tensors": len(tensors), "bytes": total, "hvdlite_ms": statistics.median(a) * 1e3,
+            "raw_one_by_one_ms": statistics.median(b) * 1e3}
+    many["speedup"] = many["raw_one_by_one_ms"] / many["hvdlite_ms"]
+
+    if hvd.rank() == 0:
+        print(f"allreduce, {size} ranks, gloo, median of {args.rounds} rounds")
+        print(f"{'bytes':>10} {'hvdlite us':>11} {'raw us':>10} {'hvdlite GB/s':>13} "
+              f"{'raw GB/s':>9} {'hvdlite/raw bw':>15}")
+        for r in rows:
+            print(f"{r['bytes']:>10} {r['hvdlite_us']:>11.1f} {r['raw_us']:>10.1f} "
+                  f"{r['hvdlite_busbw_GBs']:>13.3f} {r['raw_busbw_GBs']:>9.3f} "
+                  f"{r['ratio_bw']:>15.2f}")
+        print(f"{many['tensors']} tensors of 4-256 KiB ({total / 2**20:.1f} MiB): hvdlite fused "
+              f"{many['hvdlite_ms']:.1f} ms, raw one by one {many['raw_one_by_one_ms']:.1f} ms, "
+              f"speedup {many['speedup']:.2f}x")
+        result = {"ranks": size, "transport": "gloo", "sizes": rows, "many_small": many}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        if args.plot:
+            plot(rows, args.plot, size)
+    hvd.shutdown()
+
+
+def plot(rows, path: str, size: int) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    x = [r["bytes"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(x, [r["hvdlite_busbw_GBs"] for r in rows], "o-", label="hvdlite")
+    ax.plot(x, [r["raw_busbw_GBs"] for r in rows], "s--", label="raw gloo")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bytes")
+    ax.set_ylabel("bus bandwidth, GB/s")
+    ax.set_title(f"allreduce, {size} ranks")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
