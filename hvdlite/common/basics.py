@@ -104,7 +104,12 @@ def init(comm=None, process_sets=None) -> None:
                     raise ValueError(f"ProcessSet {ps.ranks} names ranks {bad} outside "
                                      f"0..{ident.size - 1}")
         _generation += 1
-        prefix = f"hvdlite/{os.environ.get('HVDLITE_JOB_GENERATION', '0')}/{_generation}/"
+        prefix = rendezvous.store_prefix(ident, _generation)
+        if ident.round is not None:
+            # Elastic round: a worker that joins now must name unnamed collectives as the
+            # survivors do, so call-site counters restart with the round on every rank.
+            with _site_lock:
+                _site_counters.clear()
         store = rendezvous.connect_store(ident, settings.start_timeout_s)
         key = _job_key(ident, store, prefix)
         state = _State()

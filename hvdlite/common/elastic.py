@@ -280,8 +280,8 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
                 except HorovodInternalError as exc:
                     if not is_elastic():
                         raise
-                    log.warning("hvdlite elastic: %s; rolling back to the last commit and "
-                                "re-forming the job", exc)
+                    log.warning("elastic: %s; rolling back to the last commit and re-forming "
+                                "the job", exc)
                     state.restore()
                     need_sync = True
                 except HostsUpdatedInterrupt as exc:

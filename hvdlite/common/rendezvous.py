@@ -1,17 +1,48 @@
 """Where a rank learns who it is and where the job's c10d store lives.
 
-Three ways in, in this order: hvdlite-run's variables (HVDLITE_*), Horovod's (HOROVOD_RANK, ...,
-HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT), torchrun's (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). With
-none of them the process is a one-rank job, as `python train.py` is under Horovod.
+Four ways in, in this order:
+
+- an elastic worker of `hvdlite-run` (HVDLITE_ELASTIC_WORKER set): its identity is not in the
+  environment, because it changes whenever the job re-forms. At every `init()` the worker asks the
+  driver, over an authenticated connection, for its place in the next *round*: rank, size, local
+  and cross coordinates, and the round number that namespaces the round's keys in the store;
+- hvdlite-run's variables (HVDLITE_*) for a fixed job;
+- Horovod's (HOROVOD_RANK, ..., HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT);
+- torchrun's (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+
+With none of them the process is a one-rank job, as `python train.py` is under Horovod.
+
+The driver link also carries the driver's host-update notifications to the elastic runtime
+(hvdlite/common/elastic.py). Its handshake (`server_handshake` / `client_handshake`, used by the
+driver too) derives a per-connection key from the job secret and two fresh nonces, so a frame
+recorded on one connection is rejected on any other, and `wire.Channel`'s sequence numbers reject
+one replayed on the same connection.
 """
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
+import logging
 import os
+import signal
 import socket
+import threading
 from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
+
+from .exceptions import HorovodInternalError
+from .wire import Channel, ProtocolError
+
+log = logging.getLogger("hvdlite")
+
+# Set by hvdlite-run for elastic workers.
+ELASTIC_WORKER_ENV = "HVDLITE_ELASTIC_WORKER"    # "<host>:<slot>", stable for the process
+ELASTIC_SPAWN_ENV = "HVDLITE_ELASTIC_SPAWN"      # random id of this spawn of that slot
+DRIVER_ADDR_ENV = "HVDLITE_DRIVER_ADDR"          # the driver's control endpoint
+DRIVER_PORT_ENV = "HVDLITE_DRIVER_PORT"
 
 
 @dataclass
@@ -23,6 +54,8 @@ class Identity:
     store_is_master: bool       # this process hosts the store (rank 0 without a launcher)
     source: str                 # which environment it came from, for messages
     hostname: str
+    round: int | None = None    # elastic: the driver's round; namespaces the round's store keys
+    worker_id: str | None = None  # elastic: "<host>:<slot>"
 
 
 def _int(name: str) -> int | None:
@@ -38,6 +71,8 @@ def _int(name: str) -> int | None:
 def identify() -> Identity:
     hostname = (os.environ.get("HVDLITE_HOSTNAME") or os.environ.get("HOROVOD_HOSTNAME")
                 or socket.gethostname())
+    if is_elastic_worker():
+        return _identify_elastic(hostname)
     rank = _int("HVDLITE_RANK")
     if rank is not None:
         size = _int("HVDLITE_SIZE")
@@ -70,6 +105,14 @@ def identify() -> Identity:
         return Identity(rank, size, host, port, rank == 0 and not agent, "torchrun environment",
                         hostname)
     return Identity(0, 1, None, None, False, "single process", hostname)
+
+
+def store_prefix(ident: Identity, generation: int) -> str:
+    """Namespace of one job generation's keys in the store. Elastic rounds are numbered by the
+    driver, so a worker that joins in round 3 uses the same keys as the survivors."""
+    if ident.round is not None:
+        return f"hvdlite/elastic/{ident.round}/"
+    return f"hvdlite/{os.environ.get('HVDLITE_JOB_GENERATION', '0')}/{generation}/"
 
 
 _stores: dict[tuple, object] = {}
@@ -116,3 +159,235 @@ def advertised_host(ident: Identity) -> str:
             return s.getsockname()[0]
     except OSError:
         return socket.gethostbyname(socket.gethostname())
+
+
+# ---------------------------------------------------------------------- control-channel handshake
+_MAGIC = b"HVDLITE-CTL/1"
+_NONCE = 32
+_MAX_HELLO = 1 << 16
+
+
+class WorkerRemoved(SystemExit):
+    """This elastic worker is not part of the job any more (its host was removed, the job has
+    enough workers, or it is finishing). Raised from `init()`; exits the process with status 0."""
+
+    def __init__(self, message: str):
+        super().__init__(0)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("connection closed during the handshake")
+        data += chunk
+    return bytes(data)
+
+
+def _session_key(key: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(key, b"hvdlite control channel" + server_nonce + client_nonce,
+                    hashlib.sha256).digest()
+
+
+def server_handshake(sock: socket.socket, key: bytes, timeout: float) -> tuple[Channel, Any]:
+    """Driver side: returns the channel and the client's authenticated first message.
+    Raises ProtocolError for a client that does not know the job secret (or replays)."""
+    sock.settimeout(timeout)
+    server_nonce = os.urandom(_NONCE)
+    sock.sendall(_MAGIC + server_nonce)
+    client_nonce = _recv_exact(sock, _NONCE)
+    # Before anything is buffered: a first frame announcing a huge payload is not a hello.
+    header = sock.recv(12, socket.MSG_PEEK | socket.MSG_WAITALL)
+    if len(header) == 12 and int.from_bytes(header[:4], "big") > _MAX_HELLO:
+        raise ProtocolError("rejected a control message: oversized first frame")
+    sock.settimeout(None)
+    channel = Channel(sock, _session_key(key, server_nonce, client_nonce))
+    hello = channel.recv_blocking(timeout)
+    channel.send(("WELCOME",))
+    return channel, hello
+
+
+def client_handshake(sock: socket.socket, key: bytes, hello: Any, timeout: float) -> Channel:
+    """Worker side: authenticate both ways (a driver without the secret cannot answer)."""
+    sock.settimeout(timeout)
+    head = _recv_exact(sock, len(_MAGIC) + _NONCE)
+    if not head.startswith(_MAGIC):
+        raise ProtocolError("the peer is not an hvdlite-run driver")
+    client_nonce = os.urandom(_NONCE)
+    sock.sendall(client_nonce)
+    sock.settimeout(None)
+    channel = Channel(sock, _session_key(key, head[len(_MAGIC):], client_nonce))
+    channel.send(hello)
+    reply = channel.recv_blocking(timeout)
+    if reply != ("WELCOME",):
+        raise ProtocolError(f"unexpected answer from the driver: {reply!r}")
+    return channel
+
+
+# ---------------------------------------------------------------------- elastic workers
+def is_elastic_worker() -> bool:
+    return bool(os.environ.get(ELASTIC_WORKER_ENV))
+
+
+def _job_secret() -> bytes:
+    secret = os.environ.get("HVDLITE_SECRET", "")
+    try:
+        return bytes.fromhex(secret)
+    except ValueError:
+        return secret.encode()
+
+
+class DriverLink:
+    """An elastic worker's connection to the driver: asks for rounds, hears host updates."""
+
+    def __init__(self, addr: str, port: int, worker_id: str, timeout_s: float):
+        self.addr, self.port, self.worker_id = addr, port, worker_id
+        self.round: Optional[int] = None
+        self.round_serial = 0                # host-update serial the current round reflects
+        self._cond = threading.Condition()
+        self._reply: Optional[tuple] = None
+        self._closed: Optional[str] = None
+        self._listeners: list[Callable[[int, int], Any]] = []
+        # Host updates of the current round, replayed to listeners that register late (a
+        # worker can hear of a change before its training function is entered).
+        self._updates: list[tuple[int, int]] = []
+        try:
+            sock = socket.create_connection((addr, port), timeout=timeout_s)
+            hello = ("HELLO", worker_id, os.environ.get(ELASTIC_SPAWN_ENV, ""), os.getpid(),
+                     socket.gethostname())
+            self.channel = client_handshake(sock, _job_secret(), hello, timeout_s)
+        except (OSError, ProtocolError) as exc:
+            raise HorovodInternalError(
+                f"elastic worker {worker_id} could not reach the hvdlite-run driver at "
+                f"{addr}:{port}: {exc}") from exc
+        self._thread = threading.Thread(target=self._read, name="hvdlite-driver-link",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- notifications ---------------------------------------------------------------------
+    def add_listener(self, callback: Callable[[int, int], Any]) -> None:
+        with self._cond:
+            if callback in self._listeners:
+                return
+            self._listeners.append(callback)
+            missed = [u for u in self._updates if u[0] > self.round_serial]
+        for serial, flags in missed:
+            callback(serial, flags)
+
+    def remove_listener(self, callback: Callable[[int, int], Any]) -> None:
+        with self._cond:
+            if callback in self._listeners:
+                self._listeners.remove(callback)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                if not self.channel.feed():
+                    raise ConnectionError("the driver closed the connection")
+                for msg in self.channel.messages():
+                    self._dispatch(msg)
+        except Exception as exc:  # EOF, reset, a frame that fails authentication
+            reason = str(exc) or type(exc).__name__
+        with self._cond:
+            self._closed = reason
+            self._cond.notify_all()
+            removed = self._reply is not None and self._reply[0] == "X"
+        if removed:
+            return  # told to leave: the process is exiting on its own
+        # Without its driver an elastic worker cannot re-form, and nothing would stop it: exit
+        # (SIGTERM runs the usual handlers) rather than outlive the job as an orphan.
+        log.error("elastic worker %s lost its connection to the hvdlite-run driver at "
+                  "%s:%s (%s); stopping", self.worker_id, self.addr, self.port, reason)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def _dispatch(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind in ("A", "X"):
+            with self._cond:
+                self._reply = msg
+                self._cond.notify_all()
+        elif kind == "U":
+            with self._cond:
+                self._updates.append((int(msg[1]), int(msg[2])))
+                listeners = list(self._listeners)
+            for callback in listeners:
+                try:
+                    callback(msg[1], msg[2])
+                except Exception:  # a listener's bug must not kill the link
+                    log.exception("hvdlite: host-update listener failed")
+
+    # -- rounds ----------------------------------------------------------------------------
+    def join(self) -> dict:
+        """Block until the driver places this worker in a new round; returns the assignment."""
+        with self._cond:
+            self._reply = None
+            if self._closed is not None:
+                raise HorovodInternalError(f"the hvdlite-run driver is gone: {self._closed}")
+        self.channel.send(("J", self.round))
+        with self._cond:
+            while self._reply is None and self._closed is None:
+                self._cond.wait()
+            reply, closed = self._reply, self._closed
+        if reply is None:
+            raise HorovodInternalError(f"elastic worker {self.worker_id} lost the hvdlite-run "
+                                       f"driver while waiting for a new round: {closed}")
+        if reply[0] == "X":
+            raise WorkerRemoved(reply[1])
+        assignment = reply[1]
+        with self._cond:
+            self.round = assignment["round"]
+            self.round_serial = assignment["serial"]
+            self._updates = [u for u in self._updates if u[0] > self.round_serial]
+        return assignment
+
+
+_link: Optional[DriverLink] = None
+_link_lock = threading.Lock()
+
+
+def driver_link() -> Optional[DriverLink]:
+    """This process's link to the elastic driver (None outside elastic workers)."""
+    global _link
+    if not is_elastic_worker():
+        return None
+    with _link_lock:
+        if _link is None:
+            addr = os.environ.get(DRIVER_ADDR_ENV)
+            port = _int(DRIVER_PORT_ENV)
+            if not addr or port is None:
+                raise ValueError(f"{ELASTIC_WORKER_ENV} is set but {DRIVER_ADDR_ENV}/"
+                                 f"{DRIVER_PORT_ENV} are not; start elastic jobs with "
+                                 f"hvdlite-run.")
+            timeout = float(os.environ.get("HVDLITE_START_TIMEOUT") or 30)
+            _link = DriverLink(addr, port, os.environ[ELASTIC_WORKER_ENV], timeout)
+        return _link
+
+
+_COORDINATES = (("RANK", "rank"), ("SIZE", "size"), ("LOCAL_RANK", "local_rank"),
+                ("LOCAL_SIZE", "local_size"), ("CROSS_RANK", "cross_rank"),
+                ("CROSS_SIZE", "cross_size"))
+
+
+def _identify_elastic(hostname: str) -> Identity:
+    worker_id = os.environ[ELASTIC_WORKER_ENV]
+    link = driver_link()
+    try:
+        a = link.join()
+    except WorkerRemoved as exc:
+        log.warning("%s", exc)
+        raise
+    # Horovod-era code reads its coordinates from the environment: keep it current.
+    for env_name, key in _COORDINATES:
+        os.environ[f"HVDLITE_{env_name}"] = os.environ[f"HOROVOD_{env_name}"] = str(a[key])
+    host = os.environ.get("HVDLITE_STORE_ADDR")
+    port = _int("HVDLITE_STORE_PORT")
+    if host is None or port is None:
+        raise ValueError("elastic worker without HVDLITE_STORE_ADDR/HVDLITE_STORE_PORT; start "
+                         "elastic jobs with hvdlite-run.")
+    return Identity(a["rank"], a["size"], host, port, False, "hvdlite-run (elastic)", hostname,
+                    round=a["round"], worker_id=worker_id)

@@ -2,7 +2,8 @@
 
 The function travels to the workers through the driver's rendezvous store (cloudpickled and
 signed with the job secret), each worker writes back its return value or its traceback, and the
-driver returns the values in rank order or raises with the remote traceback.
+driver returns the values in rank order or raises with the remote traceback. In elastic mode the
+values are those of the workers of the last round, in their final rank order.
 """
 from __future__ import annotations
 
@@ -47,15 +48,17 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dic
     """Run `func(*args, **kwargs)` on `num_proc` ranks and return their results, by rank.
 
     Same signature as `horovod.run` (`np`, `min_np`, `max_np` are its deprecated aliases).
-    Raises ValueError for bad arguments and RuntimeError naming the rank, with the remote
-    traceback, when a rank raises or dies.
+    `hosts="a:2,b:2"` runs ranks on other hosts over ssh (`ssh_port`, `ssh_identity_file`).
+    With `min_num_proc`, `max_num_proc` or `host_discovery_script` the job is elastic: `func`
+    should train through `hvd.elastic.run`, and the result is the list of values returned by the
+    workers of the last round. Raises ValueError for bad arguments and RuntimeError naming the
+    rank, with the remote traceback, when a rank raises or dies.
     """
     import cloudpickle
 
-    from hvdlite.runner.driver import (JobSpec, Rendezvous, check_spawnable, exit_description,
-                                       run_job)
+    from hvdlite.runner.driver import JobSpec, Rendezvous, exit_description, run_job
     from hvdlite.runner.hosts import assign_slots
-    from hvdlite.runner.local import LaunchError
+    from hvdlite.runner.local import LaunchError, SSHSettings
     from hvdlite.runner.run_task import FUNC_KEY, result_key
 
     hargs = build_parser().parse_args([])
@@ -67,6 +70,7 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dic
     if hargs.num_proc is None and not elastic:
         hargs.num_proc = 1  # horovod.run's default
     hargs.slots = slots
+    hargs.elastic_timeout = None
     hargs.reset_limit = reset_limit
     hargs.cooldown_range = list(cooldown_range) if cooldown_range is not None else None
     hargs.hosts = hosts
@@ -86,27 +90,27 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dic
         check_args(hargs, need_command=False)
     except UsageError as e:
         raise ValueError(str(e)) from None
-    if hargs.elastic:
-        raise ValueError("elastic mode is not available yet "
-                         "(min_num_proc/max_num_proc/host_discovery_script)")
     if hargs.use_mpi:
         raise ValueError("use_mpi is not available yet; use use_gloo (the default)")
 
-    slots_info = assign_slots(hargs.host_list, hargs.num_proc)
-    try:
-        check_spawnable(slots_info)
-    except LaunchError as e:
-        raise ValueError(str(e)) from None
     payload = cloudpickle.dumps((func, tuple(args), dict(kwargs or {})))
     env = dict(os.environ)
     env.update(tuning_env(hargs))
-    spec = JobSpec(command=[executable or sys.executable, "-m", "hvdlite.runner.run_task"],
-                   slots=slots_info, env=env, start_timeout=hargs.start_timeout,
-                   nics=hargs.nics, output_filename=output_filename, verbose=hargs.verbose,
-                   name=_API_NAME)
-    rendezvous = Rendezvous(slots_info, hargs.start_timeout)
+    command = [executable or sys.executable, "-m", "hvdlite.runner.run_task"]
+    if hargs.elastic:
+        return _run_elastic(hargs, command, env, payload)
+
+    slots_info = assign_slots(hargs.host_list, hargs.num_proc)
+    spec = JobSpec(command=command, slots=slots_info, env=env,
+                   start_timeout=hargs.start_timeout, nics=hargs.nics,
+                   output_filename=output_filename, verbose=hargs.verbose, name=_API_NAME,
+                   ssh=SSHSettings(ssh_port, ssh_identity_file, hargs.start_timeout))
+    rendezvous = Rendezvous([s.hostname for s in slots_info], hargs.start_timeout, hargs.nics)
     rendezvous.put_signed(FUNC_KEY, payload)
-    result = run_job(spec, rendezvous)
+    try:
+        result = run_job(spec, rendezvous)
+    except LaunchError as e:
+        raise ValueError(str(e)) from None
 
     def outcome(rank: int) -> Optional[tuple[str, Any]]:
         data = rendezvous.get_signed(result_key(rank))
@@ -131,5 +135,51 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dic
         got = outcome(rank)
         if got is None:
             raise RuntimeError(f"rank {rank} exited with code 0 without returning a result")
+        values.append(got[1])
+    return values
+
+
+def _run_elastic(hargs: Any, command: list[str], env: dict[str, str], payload: bytes) -> list[Any]:
+    import cloudpickle
+
+    from hvdlite.runner.driver import Rendezvous
+    from hvdlite.runner.elastic_driver import run_elastic
+    from hvdlite.runner.hosts import is_local_host
+    from hvdlite.runner.launch import elastic_spec
+    from hvdlite.runner.local import LaunchError
+    from hvdlite.runner.run_task import FUNC_KEY, result_key
+
+    spec = elastic_spec(hargs, command, env, name=_API_NAME)
+    all_local = hargs.host_list is not None and all(is_local_host(h.name)
+                                                    for h in hargs.host_list)
+    rendezvous = Rendezvous([], hargs.start_timeout, hargs.nics, all_interfaces=not all_local)
+    rendezvous.put_signed(FUNC_KEY, payload)
+    try:
+        result = run_elastic(spec, rendezvous=rendezvous)
+    except LaunchError as e:
+        raise ValueError(str(e)) from None
+    if result.interrupted_by is not None:
+        if result.interrupted_by == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(result.exit_code)
+
+    def outcome(worker_id: str) -> Optional[tuple[str, Any]]:
+        data = rendezvous.get_signed(result_key(worker_id))
+        return None if data is None else cloudpickle.loads(data)
+
+    if result.exit_code != 0:
+        for worker_id in sorted(result.final_ranks, key=result.final_ranks.get):
+            got = outcome(worker_id)
+            if got is not None and got[0] == "error":
+                raise RuntimeError(f"worker {worker_id} raised an exception:\n{got[1]}")
+        raise RuntimeError(f"the elastic job failed: {result.message or 'see the output above'}")
+    values = []
+    for worker_id in sorted(result.final_ranks, key=result.final_ranks.get):
+        got = outcome(worker_id)
+        if got is None:
+            raise RuntimeError(f"worker {worker_id} exited with code 0 without returning a "
+                               f"result")
+        if got[0] == "error":
+            raise RuntimeError(f"worker {worker_id} raised an exception:\n{got[1]}")
         values.append(got[1])
     return values

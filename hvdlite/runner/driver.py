@@ -8,7 +8,12 @@ rank, Ctrl-C and cleanup behave the same in either. The rules:
   and the job's exit code is that rank's (128+N for signal N). Exits caused by our own SIGTERM are
   never reported as the cause;
 - SIGINT/SIGTERM to the driver stop every rank the same way; a second signal skips the grace;
-- nothing started by a rank's process group outlives the job.
+- nothing started by a rank's process group outlives the job. A remote rank's local process is
+  its ssh client: stopping it closes the client's stdin, and the remote side (remote_exec.py)
+  stops the rank's process group there, SIGTERM then SIGKILL;
+- remote hosts are checked with `ssh host true` (in parallel, bounded by --start-timeout) before
+  any rank starts, so an unreachable host or a wrong port fails the job with a message naming the
+  host, and nothing is left running anywhere.
 """
 from __future__ import annotations
 
@@ -16,19 +21,22 @@ import datetime
 import os
 import queue
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hvdlite.runner import secret
-from hvdlite.runner.hosts import SlotInfo, is_local_host
-from hvdlite.runner.local import LaunchError, Spawner, spawner_for
+from hvdlite.runner.hosts import SlotInfo, driver_address_for, is_local_host
+from hvdlite.runner.local import (LaunchError, Spawner, SSHSettings, kill, remote_host,
+                                  spawner_for, terminate)
 from hvdlite.runner.output import Console, RankOutput
+from hvdlite.runner.remote import REMOTE_GRACE_S
 from hvdlite.runner.worker_env import rank_env
 
 TERMINATE_GRACE_S = 5.0
+# A remote rank gets the remote side's grace, plus time for ssh to report back.
+REMOTE_TERMINATE_GRACE_S = REMOTE_GRACE_S + 3.0
 
 
 @dataclass
@@ -44,6 +52,7 @@ class JobSpec:
     prefix_timestamp: bool = False
     verbose: bool = False
     name: str = "hvdlite-run"           # prefix of the driver's own messages
+    ssh: SSHSettings = field(default_factory=SSHSettings)
 
 
 @dataclass
@@ -54,28 +63,34 @@ class JobResult:
     returncodes: dict[int, Optional[int]] = field(default_factory=dict)
 
 
-def _driver_address() -> str:
-    """Address other hosts can reach the store at (multi-host jobs)."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
 class Rendezvous:
-    """The c10d TCPStore the driver serves; workers (and `run`'s payloads) meet there."""
+    """The c10d TCPStore the driver serves; workers (and `run`'s payloads) meet there.
 
-    def __init__(self, slots: list[SlotInfo], timeout_s: int) -> None:
+    It listens on 127.0.0.1 when every host is this machine, else on all interfaces; each host
+    is told the driver address it can reach (`addr_for`)."""
+
+    def __init__(self, hosts: list[str], timeout_s: int, nics: Optional[list[str]] = None,
+                 all_interfaces: Optional[bool] = None) -> None:
         from torch.distributed import TCPStore  # imported here: torch is slow to import
 
-        all_local = all(is_local_host(s.hostname) for s in slots)
-        bind = "127.0.0.1" if all_local else "0.0.0.0"
+        if all_interfaces is None:
+            all_interfaces = not all(is_local_host(h) for h in hosts)
+        bind = "0.0.0.0" if all_interfaces else "127.0.0.1"
         self.store = TCPStore(host_name=bind, port=0, world_size=None, is_master=True,
                               wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=max(timeout_s, 30)))
         self.port: int = int(self.store.port)
-        self.addr: str = "127.0.0.1" if all_local else _driver_address()
+        self.bind = bind
+        self.nics = nics
         self.key: bytes = secret.make_key()
+        self._addrs: dict[str, str] = {}
+
+    def addr_for(self, host: str) -> str:
+        """The address workers on `host` reach the driver at."""
+        if host not in self._addrs:
+            self._addrs[host] = "127.0.0.1" if self.bind == "127.0.0.1" \
+                else driver_address_for(host, self.nics)
+        return self._addrs[host]
 
     def put_signed(self, key: str, data: bytes) -> None:
         self.store.set(key, secret.sign(self.key, data))
@@ -113,14 +128,28 @@ def _group_has_live_members(pgid: int) -> bool:
     return False
 
 
-def exit_description(returncode: int) -> str:
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
+
+
+def exit_description(returncode: int, remote: bool = False) -> str:
+    """How a rank ended, in words. A remote rank's status comes through ssh: 128+N means the
+    rank died from signal N there, 255 that ssh itself failed."""
     if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = str(-returncode)
-        return f"was killed by signal {name}"
+        return f"was killed by signal {_signal_name(-returncode)}"
+    if remote and returncode == 255:
+        return "lost its ssh connection (ssh exited with code 255; see its error above)"
+    if remote and 128 < returncode < 128 + 65:
+        return f"was killed by signal {_signal_name(returncode - 128)} on its host"
     return f"exited with code {returncode}"
+
+
+def describe_process(proc: Any, host: str) -> str:
+    """`host h, pid p` for a local process; for a remote one the local pid (ssh's) is useless."""
+    return f"host {host}" if remote_host(proc) is not None else f"host {host}, pid {proc.pid}"
 
 
 def shell_exit_code(returncode: int) -> int:
@@ -165,7 +194,9 @@ class _Job:
 
     # -- lifecycle -------------------------------------------------------------------------
     def run(self) -> JobResult:
-        spawners = [spawner_for(s.hostname) for s in self.spec.slots]  # fail before starting
+        spawners = [spawner_for(s.hostname, self.spec.ssh) for s in self.spec.slots]
+        check_reachable_hosts([s.hostname for s in self.spec.slots], self.spec.ssh,
+                              self.console if self.spec.verbose else None, self.spec.name)
         if self.spec.output_filename:
             try:
                 os.makedirs(self.spec.output_filename, exist_ok=True)
@@ -173,8 +204,8 @@ class _Job:
                 raise LaunchError(f"--output-filename {self.spec.output_filename}: "
                                   f"{e.strerror}") from None
         if self.spec.verbose:
-            self.console.message(f"{self.spec.name}: rendezvous store at "
-                                 f"{self.rdv.addr}:{self.rdv.port}")
+            self.console.message(f"{self.spec.name}: rendezvous store listening on "
+                                 f"{self.rdv.bind}:{self.rdv.port}")
         previous = self._install_handlers()
         try:
             result = self._start(spawners)
@@ -193,15 +224,15 @@ class _Job:
         spec = self.spec
         secret_hex = self.rdv.key.hex()
         for slot, spawn in zip(spec.slots, spawners):
-            env = rank_env(slot, spec.env, self.rdv.addr, self.rdv.port, spec.start_timeout,
-                           secret_hex, spec.nics)
+            env = rank_env(slot, spec.env, self.rdv.addr_for(slot.hostname), self.rdv.port,
+                           spec.start_timeout, secret_hex, spec.nics)
             if spec.verbose:
                 self.console.message(
                     f"{spec.name}: starting rank {slot.rank} on {slot.hostname} (local_rank "
                     f"{slot.local_rank}/{slot.local_size}, cross_rank "
                     f"{slot.cross_rank}/{slot.cross_size}): {' '.join(spec.command)}")
             try:
-                proc = spawn(slot, spec.command, env)
+                proc = spawn(spec.command, env)
             except OSError as e:
                 self.console.message(f"{spec.name}: cannot start rank {slot.rank} on host "
                                      f"{slot.hostname}: {spec.command[0]}: {e.strerror}")
@@ -211,7 +242,7 @@ class _Job:
                 output = RankOutput(slot.rank, slot.size, proc.stdout, proc.stderr, self.console,
                                     spec.output_filename, spec.prefix_timestamp)
             except OSError as e:
-                _killpg(proc.pid, signal.SIGKILL)
+                kill(proc)
                 proc.wait()
                 self.console.message(f"{spec.name}: cannot write the output of rank {slot.rank} "
                                      f"under {spec.output_filename}: {e}")
@@ -242,9 +273,11 @@ class _Job:
             rank: _Rank = obj
             if rank.returncode != 0:
                 rank.output.join(1.0)  # let its last lines (a traceback) come out first
+                remote = remote_host(rank.proc) is not None
                 self.console.message(
-                    f"{self.spec.name}: rank {rank.slot.rank} (host {rank.slot.hostname}, "
-                    f"pid {rank.proc.pid}) {exit_description(rank.returncode)}")
+                    f"{self.spec.name}: rank {rank.slot.rank} "
+                    f"({describe_process(rank.proc, rank.slot.hostname)}) "
+                    f"{exit_description(rank.returncode, remote)}")
                 self._stop()
                 return JobResult(exit_code=shell_exit_code(rank.returncode),
                                  failed_rank=rank.slot.rank)
@@ -257,8 +290,9 @@ class _Job:
         if not live:
             return 0
         for r in live:
-            _killpg(r.pgid, signal.SIGTERM)
-        deadline = time.monotonic() + TERMINATE_GRACE_S
+            terminate(r.proc)
+        remote = any(remote_host(r.proc) is not None for r in live)
+        deadline = time.monotonic() + (REMOTE_TERMINATE_GRACE_S if remote else TERMINATE_GRACE_S)
         while any(not r.done.is_set() for r in live):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -271,7 +305,7 @@ class _Job:
                 break  # asked twice: do not wait any longer
         for r in live:
             if not r.done.is_set():
-                _killpg(r.pgid, signal.SIGKILL)
+                kill(r.proc)
         for r in live:
             r.done.wait(10.0)
         self._sweep_groups(deadline)
@@ -295,8 +329,18 @@ def run_job(spec: JobSpec, rendezvous: Rendezvous, console: Optional[Console] = 
     return _Job(spec, rendezvous, console).run()
 
 
-def check_spawnable(slots: list[SlotInfo]) -> None:
-    """Raise LaunchError naming the first host no spawner can reach (before anything starts)."""
-    for host in dict.fromkeys(s.hostname for s in slots):
-        spawner_for(host)
+def check_reachable_hosts(hosts: list[str], ssh: SSHSettings, console: Optional[Console] = None,
+                          name: str = "hvdlite-run") -> None:
+    """`ssh host true` on every remote host in parallel; LaunchError naming each one that fails.
+    Local hosts need no check (and no ssh)."""
+    from hvdlite.runner.remote import check_reachable
+
+    remote = [h for h in dict.fromkeys(hosts) if not is_local_host(h)]
+    if not remote:
+        return
+    if console is not None:
+        console.message(f"{name}: checking ssh to {', '.join(remote)}")
+    errors = check_reachable(remote, ssh)
+    if errors:
+        raise LaunchError("; ".join(errors))
 

@@ -11,6 +11,7 @@ import re
 import socket
 import threading
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 
 class HostError(ValueError):
@@ -101,11 +102,19 @@ def total_slots(hosts: list[HostSpec]) -> int:
 
 @functools.lru_cache(maxsize=1)
 def _local_names_and_ips() -> tuple[frozenset[str], frozenset[str]]:
+    """This machine's names, and the addresses that count as this machine.
+
+    Loopback addresses other than 127.0.0.1 and ::1 are deliberately *not* local: 127.0.0.2 and
+    the like reach this machine through another address, as a separate host would (tests and
+    demos use them as "remote" hosts served by an sshd listening there). The addresses the
+    machine's own hostname resolves to (Debian maps it to 127.0.1.1) stay local.
+    """
     names = {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"}
-    ips: set[str] = set()
+    ips: set[str] = {"127.0.0.1", "::1"}
+    own: list[str] = []
     try:
-        names.add(socket.gethostname().lower())
-        names.add(socket.getfqdn().lower())
+        own = [socket.gethostname().lower(), socket.getfqdn().lower()]
+        names.update(own)
     except OSError:
         pass
     try:
@@ -114,9 +123,17 @@ def _local_names_and_ips() -> tuple[frozenset[str], frozenset[str]]:
         for addrs in psutil.net_if_addrs().values():
             for addr in addrs:
                 if addr.family in (socket.AF_INET, socket.AF_INET6):
-                    ips.add(addr.address.split("%", 1)[0])
+                    text = addr.address.split("%", 1)[0]
+                    try:
+                        if ipaddress.ip_address(text).is_loopback:
+                            continue
+                    except ValueError:
+                        continue
+                    ips.add(text)
     except Exception:  # psutil missing or unsupported platform: names and loopback still work
         pass
+    for name in own:
+        ips.update(_resolve(name))
     return frozenset(names), frozenset(ips)
 
 
@@ -139,16 +156,16 @@ def _resolve(name: str, timeout: float = 3.0) -> set[str]:
 
 def _is_local_ip(text: str, local_ips: frozenset[str]) -> bool:
     try:
-        ip = ipaddress.ip_address(text)
+        return str(ipaddress.ip_address(text)) in local_ips
     except ValueError:
         return False
-    return ip.is_loopback or str(ip) in local_ips
 
 
 @functools.lru_cache(maxsize=256)
 def is_local_host(name: str) -> bool:
-    """True when `name` is this machine: localhost, a loopback or local interface address, our
-    hostname/FQDN, or a name that resolves to one of those."""
+    """True when `name` is this machine, started without ssh: localhost, 127.0.0.1, ::1, an
+    address of a non-loopback interface, our hostname/FQDN, or a name that resolves only to
+    those. Any other address (127.0.0.2 included) is a remote host, reached over ssh."""
     names, ips = _local_names_and_ips()
     lowered = name.lower()
     if lowered in names or _is_local_ip(lowered, ips):
@@ -160,6 +177,43 @@ def is_local_host(name: str) -> bool:
         pass
     resolved = _resolve(name)
     return bool(resolved) and all(_is_local_ip(ip, ips) for ip in resolved)
+
+
+def nic_address(nic: str) -> Optional[str]:
+    """The IPv4 address of network interface `nic`, or None."""
+    try:
+        import psutil
+
+        for addr in psutil.net_if_addrs().get(nic, []):
+            if addr.family == socket.AF_INET:
+                return addr.address
+    except Exception:
+        pass
+    return None
+
+
+def driver_address_for(host: str, nics: Optional[Sequence[str]] = None) -> str:
+    """The address of this machine that workers on `host` should use to reach the driver:
+    127.0.0.1 for local hosts, else the first of `nics` that has an IPv4 address, else the
+    source address the kernel routes to `host` from."""
+    if is_local_host(host):
+        return "127.0.0.1"
+    for nic in nics or ():
+        address = nic_address(nic)
+        if address:
+            return address
+    for target in sorted(_resolve(host)) or [host]:
+        try:
+            family = socket.AF_INET6 if ":" in target else socket.AF_INET
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((target, 9))
+                return s.getsockname()[0]
+        except OSError:
+            continue
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def assign_slots(hosts: list[HostSpec], num_proc: int) -> list[SlotInfo]:

@@ -1,8 +1,10 @@
 """`hvdlite-run`: horovodrun's command line, on hvdlite's driver.
 
-Every horovodrun 0.28 flag is accepted so that existing launch scripts work unchanged; flags for
-parts that hvdlite does not provide yet (elastic, --mpi, --jsrun, remote hosts) are parsed and
-validated, then refused with a clear message instead of being silently ignored.
+Every horovodrun 0.28 flag is accepted so that existing launch scripts work unchanged. Hosts
+that are this machine start locally, others over ssh (-p/-i); `--min-np`, `--max-np` or
+`--host-discovery-script` select elastic mode (elastic_driver.py). Flags for parts that hvdlite
+does not provide yet (--mpi, --jsrun) are parsed and validated, then refused with a clear message
+instead of being silently ignored.
 """
 from __future__ import annotations
 
@@ -333,7 +335,10 @@ def check_args(args: argparse.Namespace, need_command: bool = True,
         elif args.hostfile:
             args.host_list = parse_hostfile(args.hostfile)
         elif args.num_proc is not None and not args.host_discovery_script:
-            args.host_list = [HostSpec("localhost", args.num_proc)]
+            args.host_list = [HostSpec("localhost", max(args.num_proc, args.max_num_proc or 0))]
+        elif not args.host_discovery_script:  # elastic, -np not given: localhost, enough slots
+            args.host_list = [HostSpec("localhost",
+                                       max(args.min_num_proc or 1, args.max_num_proc or 1))]
     except HostError as e:
         raise UsageError(str(e)) from None
     if not args.elastic and args.num_proc > total_slots(args.host_list):
@@ -372,37 +377,80 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def launch(args: argparse.Namespace) -> int:
-    """Run the job described by validated `args`; returns the launcher's exit code."""
-    from hvdlite.runner.driver import JobSpec, Rendezvous, check_spawnable, run_job
-    from hvdlite.runner.local import LaunchError, find_command
+def _check_command(program: str, hosts: Sequence[str]) -> Optional[int]:
+    """Refuse a command that does not exist here (when a rank runs here); remote hosts check
+    their own PATH when the rank starts (exit 127 naming the host)."""
+    from hvdlite.runner.hosts import is_local_host
+    from hvdlite.runner.local import find_command
 
-    if args.elastic:
-        return _fail("elastic mode is not available yet "
-                     "(--min-np/--max-np/--host-discovery-script)", 2)
-    if args.use_mpi:
-        return _fail("--mpi is not available yet; use --gloo (the default)", 2)
-    if args.use_jsrun:
-        return _fail("--jsrun is not available yet; use --gloo (the default)", 2)
-    slots = assign_slots(args.host_list, args.num_proc)
-    try:
-        check_spawnable(slots)
-    except LaunchError as e:
-        return _fail(str(e), 2)
-    program = args.command[0]
+    if hosts and not any(is_local_host(h) for h in hosts):
+        return None
     if find_command(program) is None:
         if os.sep in program and os.path.exists(program):
             return _fail(f"command {program!r} is not an executable file", 126)
         return _fail(f"command {program!r} not found", 127)
+    return None
+
+
+def elastic_spec(args: argparse.Namespace, command: list[str], env: dict[str, str],
+                 name: str = PROG):
+    """The elastic driver's job description from validated arguments."""
+    from hvdlite.runner.discovery import FixedHosts, HostDiscoveryScript
+    from hvdlite.runner.elastic_driver import ElasticSpec
+    from hvdlite.runner.local import SSHSettings
+
+    num_proc = args.num_proc or args.min_num_proc or 1
+    min_np = args.min_num_proc or num_proc
+    if args.host_discovery_script:
+        discovery = HostDiscoveryScript(args.host_discovery_script, args.slots,
+                                        max(10, args.start_timeout))
+    else:
+        discovery = FixedHosts(args.host_list)
+    return ElasticSpec(
+        command=command, env=env, discovery=discovery, num_proc=num_proc, min_np=min_np,
+        max_np=args.max_num_proc, start_timeout=args.start_timeout,
+        elastic_timeout=600 if args.elastic_timeout is None else args.elastic_timeout,
+        reset_limit=args.reset_limit,
+        cooldown_range=tuple(args.cooldown_range) if args.cooldown_range else None,
+        nics=args.nics, output_filename=args.output_filename,
+        prefix_timestamp=bool(getattr(args, "prefix_output_with_timestamp", False)),
+        verbose=bool(args.verbose), name=name,
+        ssh=SSHSettings(args.ssh_port, args.ssh_identity_file, args.start_timeout))
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Run the job described by validated `args`; returns the launcher's exit code."""
+    from hvdlite.runner.driver import JobSpec, Rendezvous, run_job
+    from hvdlite.runner.elastic_driver import run_elastic
+    from hvdlite.runner.local import LaunchError, SSHSettings
+
+    if args.use_mpi:
+        return _fail("--mpi is not available yet; use --gloo (the default)", 2)
+    if args.use_jsrun:
+        return _fail("--jsrun is not available yet; use --gloo (the default)", 2)
     env = dict(os.environ)
     env.update(tuning_env(args))
+    if args.elastic:
+        if args.host_list is not None:
+            failed = _check_command(args.command[0], [h.name for h in args.host_list])
+            if failed is not None:
+                return failed
+        try:
+            return run_elastic(elastic_spec(args, list(args.command), env)).exit_code
+        except LaunchError as e:
+            return _fail(str(e), 2)
+    slots = assign_slots(args.host_list, args.num_proc)
+    failed = _check_command(args.command[0], [s.hostname for s in slots])
+    if failed is not None:
+        return failed
     spec = JobSpec(command=list(args.command), slots=slots, env=env,
                    start_timeout=args.start_timeout, nics=args.nics,
                    output_filename=args.output_filename,
                    prefix_timestamp=args.prefix_output_with_timestamp, verbose=args.verbose,
-                   name=PROG)
+                   name=PROG,
+                   ssh=SSHSettings(args.ssh_port, args.ssh_identity_file, args.start_timeout))
     try:
-        rendezvous = Rendezvous(slots, args.start_timeout)
+        rendezvous = Rendezvous([s.hostname for s in slots], args.start_timeout, args.nics)
         return run_job(spec, rendezvous).exit_code
     except LaunchError as e:
         return _fail(str(e), 2)

@@ -50,8 +50,13 @@ class RankOutput:
     """Two reader threads (stdout, stderr) for one rank, plus optional per-rank files."""
 
     def __init__(self, rank: int, size: int, stdout: BinaryIO, stderr: BinaryIO, console: Console,
-                 output_dir: Optional[str] = None, timestamp: bool = False) -> None:
+                 output_dir: Optional[str] = None, timestamp: bool = False,
+                 label: Optional[str] = None, dir_name: Optional[str] = None) -> None:
+        """`label` replaces the rank in the line prefix and `dir_name` the `rank.<N>` directory
+        (elastic workers, whose rank changes, are labelled by host and slot); files are appended
+        to when `dir_name` is given, so a restarted worker keeps its earlier output."""
         self.rank = rank
+        self.label = label if label is not None else str(rank)
         self._console = console
         self._timestamp = timestamp
         self._files: list[IO[bytes]] = []
@@ -59,9 +64,9 @@ class RankOutput:
         for which, pipe in (("stdout", stdout), ("stderr", stderr)):
             file = None
             if output_dir:
-                directory = os.path.join(output_dir, rank_dir_name(rank, size))
+                directory = os.path.join(output_dir, dir_name or rank_dir_name(rank, size))
                 os.makedirs(directory, exist_ok=True)
-                file = open(os.path.join(directory, which), "wb")
+                file = open(os.path.join(directory, which), "ab" if dir_name else "wb")
                 self._files.append(file)
             t = threading.Thread(target=self._pump, args=(which, pipe, file),
                                  name=f"hvdlite-output-{rank}-{which}", daemon=True)
@@ -69,7 +74,7 @@ class RankOutput:
             self._threads.append(t)
 
     def _pump(self, which: str, pipe: BinaryIO, file: Optional[IO[bytes]]) -> None:
-        prefix = f"[{self.rank}]<{which}>:".encode()
+        prefix = f"[{self.label}]<{which}>:".encode()
         try:
             for line in iter(pipe.readline, b""):
                 if file is not None:

@@ -13,7 +13,8 @@ import traceback
 FUNC_KEY = "hvdlite/runfunc"
 
 
-def result_key(rank: int) -> str:
+def result_key(rank: "int | str") -> str:
+    """Where a rank (or, in elastic jobs, a worker `host:slot`) leaves its outcome."""
     return f"hvdlite/result/{rank}"
 
 
@@ -23,7 +24,10 @@ def main() -> int:
 
     from hvdlite.runner.secret import SECRET_ENV, sign, verify
 
-    rank = int(os.environ["HVDLITE_RANK"])
+    from hvdlite.common.rendezvous import ELASTIC_WORKER_ENV
+
+    # An elastic worker's rank changes; its result is filed under its stable worker id.
+    rank = os.environ.get(ELASTIC_WORKER_ENV) or int(os.environ["HVDLITE_RANK"])
     timeout = datetime.timedelta(seconds=float(os.environ.get("HVDLITE_START_TIMEOUT", "30")))
     store = TCPStore(os.environ["HVDLITE_STORE_ADDR"], int(os.environ["HVDLITE_STORE_PORT"]),
                      None, False, timeout=timeout)

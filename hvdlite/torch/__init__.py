@@ -15,6 +15,8 @@ from .functions import (allgather_object, broadcast_object, broadcast_optimizer_
                         broadcast_parameters)
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
+from . import parallel
+from . import elastic
 
 
 def init(comm=None, process_sets=None) -> None:

@@ -1,0 +1,175 @@
+"""`TorchState`: a model, an optimizer, samplers and plain attributes, committed together."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import torch
+
+from ...common.elastic import ObjectState
+from .. import functions as _functions
+from .sampler import ElasticSampler
+
+
+class StateHandler:
+    """Saves, restores and syncs one kind of value held by a `TorchState`."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def save(self) -> None:
+        raise NotImplementedError()
+
+    def restore(self) -> None:
+        raise NotImplementedError()
+
+    def sync(self, root_rank: int) -> None:
+        raise NotImplementedError()
+
+    def reset(self) -> None:
+        """Called after the job re-formed (the world size may have changed)."""
+
+    def set_value(self, value: Any) -> None:
+        self.value = value
+        self.save()
+
+
+class ModelStateHandler(StateHandler):
+    """`torch.nn.Module`: a deep copy of its state_dict; synced by broadcasting parameters and
+    buffers."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self._saved_model_state = copy.deepcopy(self.value.state_dict())
+
+    def save(self) -> None:
+        self._saved_model_state = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self._saved_model_state)
+
+    def sync(self, root_rank: int) -> None:
+        _functions.broadcast_parameters(self.value.state_dict(), root_rank=root_rank,
+                                        prefix="hvdlite.elastic.model.")
+
+
+class OptimizerStateHandler(StateHandler):
+    """`torch.optim.Optimizer` (and `hvd.DistributedOptimizer`): a deep copy of its state_dict.
+    Restoring through `load_state_dict` also drops a DistributedOptimizer's gradient handles
+    left over from the failed step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer)
+        self._saved_optimizer_state = copy.deepcopy(self.value.state_dict())
+
+    def save(self) -> None:
+        self._saved_optimizer_state = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self._saved_optimizer_state)
+
+    def sync(self, root_rank: int) -> None:
+        _functions.broadcast_optimizer_state(self.value, root_rank=root_rank)
+
+
+class SamplerStateHandler(StateHandler):
+    """`ElasticSampler`: which samples of the epoch are done; re-partitioned on reset."""
+
+    def __init__(self, sampler: ElasticSampler) -> None:
+        super().__init__(sampler)
+        self._saved_sampler_state = copy.deepcopy(self.value.state_dict())
+
+    def save(self) -> None:
+        self._saved_sampler_state = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self._saved_sampler_state)
+
+    def sync(self, root_rank: int) -> None:
+        state_dict = _functions.broadcast_object(self.value.state_dict(), root_rank,
+                                                 name="hvdlite.elastic.sampler")
+        self.value.load_state_dict(state_dict)
+
+    def reset(self) -> None:
+        self.value.reset()
+
+
+_handler_registry: list[tuple[type, type]] = [
+    (torch.nn.Module, ModelStateHandler),
+    (torch.optim.Optimizer, OptimizerStateHandler),
+    (ElasticSampler, SamplerStateHandler),
+]
+
+
+def get_handler_registry() -> list[tuple[type, type]]:
+    """The (value type, handler class) pairs `TorchState` consults, first match wins."""
+    return _handler_registry
+
+
+def set_handler_registry(registry: list[tuple[type, type]]) -> None:
+    global _handler_registry
+    _handler_registry = list(registry)
+
+
+def _handler_for(value: Any) -> Optional[StateHandler]:
+    for kind, handler in _handler_registry:
+        if isinstance(value, kind):
+            return handler(value)
+    return None
+
+
+class TorchState(ObjectState):
+    """State of a PyTorch training job: `TorchState(model, optimizer, epoch=0, batch=0)`.
+
+    Modules, optimizers and `ElasticSampler`s (as `model`, `optimizer` or any keyword) are saved
+    by deep-copying their state_dict and synced by broadcasting tensors; every other keyword is a
+    plain attribute (`state.epoch`), deep-copied on commit.
+    """
+
+    def __init__(self, model: Optional[torch.nn.Module] = None,
+                 optimizer: Optional[torch.optim.Optimizer] = None, **kwargs: Any) -> None:
+        kwargs.update(model=model, optimizer=optimizer)
+        handlers: dict[str, StateHandler] = {}
+        plain: dict[str, Any] = {}
+        for name, value in kwargs.items():
+            handler = _handler_for(value) if value is not None else None
+            if handler is not None:
+                handlers[name] = handler
+            elif name in ("model", "optimizer") and value is None:
+                object.__setattr__(self, name, None)
+            else:
+                plain[name] = value
+        object.__setattr__(self, "_handlers", handlers)
+        for name, handler in handlers.items():
+            object.__setattr__(self, name, handler.value)
+        super().__init__(**plain)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        handlers = self.__dict__.get("_handlers")
+        if handlers is not None and name in handlers:
+            handlers[name].set_value(value)
+        object.__setattr__(self, name, value)
+
+    def save(self) -> None:
+        for handler in self._handlers.values():
+            handler.save()
+        super().save()
+
+    def restore(self) -> None:
+        for handler in self._handlers.values():
+            handler.restore()
+        super().restore()
+
+    def sync(self) -> None:
+        # Optimizers first: a worker whose optimizer has no state yet creates it with one step
+        # on zero gradients, which moves weights under weight decay; the model sync that
+        # follows puts them right.
+        handlers = sorted(self._handlers.values(),
+                          key=lambda h: not isinstance(h, OptimizerStateHandler))
+        for handler in handlers:
+            handler.sync(self.sync_root)
+        super().sync()
+
+    def reset(self) -> None:
+        for handler in self._handlers.values():
+            handler.reset()
