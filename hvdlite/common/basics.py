@@ -15,6 +15,7 @@ from typing import Optional
 
 from . import rendezvous
 from .backends import mpi as mpi_backend
+from .backends import nccl as nccl_backend
 from .backends.gloo import GlooCommunicator
 from .backends.local import SelfCommunicator
 from .config import Settings, env
@@ -153,9 +154,13 @@ def init(comm=None, process_sets=None) -> None:
         global_process_set.ranks = list(range(ident.size))
         state.sets[0] = global_process_set
 
-        def comm_factory(set_id: int, ranks: list):
+        def comm_factory(set_id: int, ranks: list, kind: str = "cpu"):
             if len(ranks) == 1:
                 return SelfCommunicator()
+            if kind == "cuda" and nccl_backend.available() and store is not None:
+                return nccl_backend.NCCLCommunicator(store, f"{prefix}nccl/{set_id}/",
+                                                     ranks.index(ident.rank), len(ranks),
+                                                     settings.gloo_timeout_s)
             if world is not None:
                 return mpi_backend.MPICommunicator.for_ranks(world, ranks)
             return GlooCommunicator(store, f"{prefix}pg/{set_id}/", ranks.index(ident.rank),
@@ -421,7 +426,8 @@ def gloo_built() -> bool:
 
 
 def nccl_built() -> bool:
-    return False
+    """True when torch has NCCL and a GPU is visible: CUDA tensors then reduce over NCCL."""
+    return nccl_backend.available()
 
 
 def ddl_built() -> bool:
@@ -433,7 +439,8 @@ def ccl_built() -> bool:
 
 
 def cuda_built() -> bool:
-    return False
+    import torch
+    return torch.backends.cuda.is_built()
 
 
 def rocm_built() -> bool:

@@ -281,6 +281,9 @@ def run(executor: Executor, comm, resp: Response, entries: list):
     every entry's result is stored (entries[i] may be None when this rank has joined and
     contributes zeros)."""
     t = resp.type
+    for e in entries:
+        if e is not None and e.ready_event is not None:
+            torch.cuda.current_stream(e.tensor.device).wait_event(e.ready_event)
     inputs = [e.tensor if e is not None else None for e in entries]
     if t in (ALLREDUCE, ADASUM_OP):
         dtype = DTYPES[resp.dtype]

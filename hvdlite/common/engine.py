@@ -90,6 +90,7 @@ class Entry:
     result: Any = None
     extra: Any = None             # alltoall: received splits
     sent_bit: int = -1            # the cache bit sent instead of the request, if any
+    ready_event: Any = None       # CUDA input: event recorded on the caller's stream
 
 
 class Engine:
@@ -164,6 +165,13 @@ class Engine:
                 keys.append(key)
             for key, e in zip(keys, entries):
                 e.handle = handle
+                t = e.tensor
+                if t is not None and getattr(t, "is_cuda", False):
+                    # The transport runs on other threads' streams: remember when the caller's
+                    # stream has produced the input (Horovod's ready event).
+                    import torch
+                    e.ready_event = torch.cuda.Event()
+                    e.ready_event.record()
                 self._inflight[key] = e
                 self._queue.append(e)
         self._wake()
@@ -321,10 +329,13 @@ class Engine:
         with self._lock:
             return [self._inflight.pop((set_id, n), None) for n in names]
 
-    def _comm(self, set_id: int):
-        comm = self.comms.get(set_id)
+    def _comm(self, set_id: int, device: int = -1):
+        """The set's communicator for CPU tensors, or for GPU ones (device >= 0)."""
+        kind = "cuda" if device >= 0 else "cpu"
+        comm = self.comms.get((set_id, kind))
         if comm is None:
-            comm = self.comms[set_id] = self.comm_factory(set_id, self.set_ranks[set_id])
+            comm = self.comms[(set_id, kind)] = self.comm_factory(set_id, self.set_ranks[set_id],
+                                                                   kind)
         return comm
 
     def _execute(self, resp: Response) -> None:
@@ -357,9 +368,10 @@ class Engine:
             self._wait_transport_idle()
             sid = resp.extra
             self.set_ranks.pop(sid, None)
-            comm = self.comms.pop(sid, None)
-            if comm is not None:
-                comm.close()
+            for kind in ("cpu", "cuda"):
+                comm = self.comms.pop((sid, kind), None)
+                if comm is not None:
+                    comm.close()
             self.cache.drop_set(sid)
             for e in entries:
                 if e is not None:
@@ -381,7 +393,8 @@ class Engine:
             self._transport_seq += 1
             self._in_transport[seq] = [e for e in entries if e is not None]
         try:
-            gen = collectives.run(self.executor, self._comm(set_id), resp, entries)
+            gen = collectives.run(self.executor, self._comm(set_id, resp.device), resp,
+                                  entries)
             work = next(gen)
             while work is DONE:  # a one-rank set: nothing to wait for, finish here
                 work = gen.send(None)
