@@ -35,3 +35,11 @@ def test_job_started_by_mpiexec_uses_mpi(np):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for r in range(np):
         assert f"OK rank {r}" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(150)
+def test_mpirun_job_with_gloo_transport():
+    """HOROVOD_CPU_OPERATIONS=gloo under mpiexec: ranks meet over MPI, data goes over gloo."""
+    proc = mpiexec("env_start.py", 2, env={"HOROVOD_CPU_OPERATIONS": "gloo"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK rank=0 size=2" in proc.stdout and "OK rank=1 size=2" in proc.stdout

@@ -97,7 +97,9 @@ def init(comm=None, process_sets=None) -> None:
                     raise ValueError("init(process_sets=...) takes a list of ProcessSet built "
                                      "from rank lists, or 'dynamic'")
         transport = _choose_transport(comm)
-        world = mpi_backend.world(comm) if transport == "mpi" else None
+        # Under mpirun (or with init(comm=...)) ranks meet over MPI, whatever the transport.
+        world = mpi_backend.world(comm) if (transport == "mpi" or mpi_backend.started_by_mpi()) \
+            else None
         ident = mpi_backend.identity(world) if world is not None else rendezvous.identify()
         if ident.size > 1 or ident.store_host is not None:
             for ps in static:
@@ -107,7 +109,10 @@ def init(comm=None, process_sets=None) -> None:
                                      f"0..{ident.size - 1}")
         _generation += 1
         prefix = f"hvdlite/{os.environ.get('HVDLITE_JOB_GENERATION', '0')}/{_generation}/"
-        store = rendezvous.connect_store(ident, settings.start_timeout_s) if world is None else None
+        if world is None:
+            store = rendezvous.connect_store(ident, settings.start_timeout_s)
+        else:
+            store = mpi_backend.share_store(world, settings.start_timeout_s)
         key = _job_key(ident, store, prefix) if world is None else mpi_backend.job_key(world)
         state = _State()
         state.settings = settings
@@ -157,11 +162,11 @@ def init(comm=None, process_sets=None) -> None:
         def comm_factory(set_id: int, ranks: list, kind: str = "cpu"):
             if len(ranks) == 1:
                 return SelfCommunicator()
-            if kind == "cuda" and nccl_backend.available() and store is not None:
+            if kind == "cuda" and nccl_backend.available():
                 return nccl_backend.NCCLCommunicator(store, f"{prefix}nccl/{set_id}/",
                                                      ranks.index(ident.rank), len(ranks),
                                                      settings.gloo_timeout_s)
-            if world is not None:
+            if transport == "mpi":
                 return mpi_backend.MPICommunicator.for_ranks(world, ranks)
             return GlooCommunicator(store, f"{prefix}pg/{set_id}/", ranks.index(ident.rank),
                                     len(ranks), settings.gloo_timeout_s)

@@ -112,6 +112,11 @@ def launched_by_mpi() -> bool:
     return any(v in os.environ for v in _LAUNCH_VARS)
 
 
+def started_by_mpi() -> bool:
+    """Launched by mpirun and able to talk MPI: ranks then meet over MPI."""
+    return launched_by_mpi() and available()
+
+
 def threads_supported() -> bool:
     return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
 
@@ -144,6 +149,23 @@ def identity(comm):
 def job_key(comm) -> bytes:
     """Rank 0 draws the job's control-channel key and hands it to every rank over MPI."""
     return comm.bcast(os.urandom(32) if comm.Get_rank() == 0 else None, root=0)
+
+
+def share_store(comm, timeout_s: float):
+    """A c10d store for gloo/NCCL communicators in an MPI-launched job: rank 0 serves it,
+    every rank learns where over MPI."""
+    import datetime
+
+    import torch.distributed as dist
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if comm.Get_size() == 1:
+        return dist.HashStore()
+    if comm.Get_rank() == 0:
+        store = dist.TCPStore("0.0.0.0", 0, None, True, timeout=timeout, wait_for_workers=False)
+        share_address(comm, store.port)
+        return store
+    host, port = share_address(comm, None)
+    return dist.TCPStore(host, port, None, False, timeout=timeout)
 
 
 def share_address(comm, port: int | None) -> tuple[str, int]:
