@@ -39,7 +39,7 @@ SHUT_DOWN_MESSAGE = ("Horovod has been shut down. This was caused by an exceptio
 class Handle:
     """Completion of one enqueue call (one or more tensors)."""
 
-    __slots__ = ("_event", "_pending", "entries", "error", "_lock", "callbacks")
+    __slots__ = ("_event", "_pending", "entries", "error", "_lock", "callbacks", "_release")
 
     def __init__(self, entries: list):
         self._event = threading.Event()
@@ -48,6 +48,7 @@ class Handle:
         self.entries = entries
         self.error: str | None = None
         self.callbacks: list[Callable] = []
+        self._release: Callable[[], None] | None = None   # frees the names once waited for
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -76,6 +77,9 @@ class Handle:
                     raise HorovodInternalError(
                         "the hvdlite background thread stopped before this collective finished; "
                         "see the errors above")
+        release, self._release = self._release, None
+        if release is not None:
+            release()
         if self.error is not None:
             raise HorovodInternalError(self.error)
         return [e.result for e in self.entries]
@@ -112,6 +116,10 @@ class Engine:
         self._lock = threading.Lock()
         self._queue: deque[Entry] = deque()
         self._inflight: dict[tuple[int, str], Entry] = {}
+        # Names stay taken from submission until the caller has waited for the result, so a
+        # duplicate-name error does not depend on how fast the collective happened to finish
+        # (which differs between ranks and would make their code paths diverge).
+        self._reserved: set[tuple[int, str]] = set()
         self._closed: str | None = None
         self._stopping = False
         self._last_send = 0.0
@@ -157,12 +165,18 @@ class Engine:
                                      f"{req.process_set_id} (ranks {ranks}); only members may "
                                      f"submit '{req.name}' to it.")
                 key = (req.process_set_id, req.name)
-                if key in self._inflight or key in keys:
+                if key in self._reserved or key in keys:
                     raise ValueError(
                         f"Requested to {TYPE_NAMES[req.type].lower()} a tensor with the same name "
                         f"as another tensor that is currently being processed: '{req.name}'. "
-                        f"Give each in-flight collective a unique name.")
+                        f"A name stays in use until synchronize() has returned its result; give "
+                        f"each in-flight collective a unique name.")
                 keys.append(key)
+            # With nothing outstanding there is nothing to batch with: send from this thread
+            # at once instead of waking the background thread to do it (one thread hop less).
+            direct = not (self._inflight or self._in_transport or self._stopping)
+            self._reserved.update(keys)
+            handle._release = lambda: self._unreserve(keys)
             for key, e in zip(keys, entries):
                 e.handle = handle
                 t = e.tensor
@@ -173,9 +187,17 @@ class Engine:
                     e.ready_event = torch.cuda.Event()
                     e.ready_event.record()
                 self._inflight[key] = e
-                self._queue.append(e)
-        self._wake()
+                if not direct:
+                    self._queue.append(e)
+        if direct:
+            self._send_entries(entries)
+        else:
+            self._wake()
         return handle
+
+    def _unreserve(self, keys: list) -> None:
+        with self._lock:
+            self._reserved.difference_update(keys)
 
     def _wake(self) -> None:
         try:
@@ -265,8 +287,11 @@ class Engine:
         with self._lock:
             entries = list(self._queue)
             self._queue.clear()
-        if not entries:
-            return
+        if entries:
+            self._send_entries(entries)
+
+    def _send_entries(self, entries: list) -> None:
+        """Send requests, or just their cache bits (any thread; the channel serializes)."""
         full = []
         masks: dict[int, int] = {}
         for e in entries:
@@ -316,6 +341,9 @@ class Engine:
                     self.cache.evict(item[1], item[2])
                 elif tag == "B":
                     self._resend(item[1], item[2])
+                elif tag == "P":
+                    # Autotune hook: the coordinator's tuner set a new cycle time (ms).
+                    self.cycle_s = max(float(item[1]), 0.0) / 1000.0
                 if self._closed is not None:
                     return False
             return True
@@ -388,6 +416,9 @@ class Engine:
         if tl is not None:
             tl.start_op(resp.names, TYPE_NAMES[resp.type],
                         {"dtype": resp.dtype, "shape": str(resp.shapes[0]) if resp.shapes else ""})
+            # Timeline: QUEUE opens inside the op, so the collective's first phase ends QUEUE
+            # (not the op itself) and every op's events nest and balance.
+            tl.activity(resp.names, "QUEUE")
         with self._lock:
             seq = self._transport_seq
             self._transport_seq += 1
