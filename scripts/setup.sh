@@ -16,3 +16,12 @@ if ! .venv/bin/python -c "import hvdlite.runner" 2>/dev/null || [ pyproject.toml
   .venv/bin/pip install -q --disable-pip-version-check -e ".[test]"
   touch .venv/.hvdlite-installed
 fi
+# TensorFlow for hvdlite.tensorflow (the CPU build of 2.21, with Keras 3), and tf_keras for the
+# Keras 2 path (TF_USE_LEGACY_KERAS=1). tf_keras goes in with --no-deps: it asks for the full
+# `tensorflow` wheel, whose module tensorflow-cpu already provides. Checked without importing
+# TensorFlow, so a second run stays fast. HVDLITE_SKIP_TENSORFLOW=1 leaves TensorFlow out (its
+# tests then skip).
+if [ "${HVDLITE_SKIP_TENSORFLOW:-0}" != "1" ] && ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('tensorflow') and u.find_spec('keras') and u.find_spec('tf_keras') else 1)" 2>/dev/null; then
+  .venv/bin/pip install -q --disable-pip-version-check tensorflow-cpu==2.21.0
+  .venv/bin/pip install -q --disable-pip-version-check --no-deps tf_keras==2.21.0
+fi
