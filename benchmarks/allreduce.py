@@ -1,6 +1,7 @@
 """Allreduce through hvdlite's API against the raw transport it runs on, in the same processes.
 
     hvdlite-run -np 2 python benchmarks/allreduce.py [--json out.json] [--plot out.png]
+    mpiexec -n 2 python benchmarks/allreduce.py            # MPI transport against raw mpi4py
 
 For each size from 4 KiB to 64 MiB: median latency and bus bandwidth (2(n-1)/n x bytes / time)
 of hvdlite.torch.allreduce (named, steady state: the response cache path) and of the raw gloo
@@ -43,12 +44,33 @@ def timed(fn, n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def raw_group():
+class RawGloo:
     """A gloo process group straight on the job's store: the transport without hvdlite."""
-    ident = rendezvous.identify()
-    store = rendezvous.connect_store(ident, 60)
-    return dist.ProcessGroupGloo(dist.PrefixStore("bench/raw/", store), hvd.rank(), hvd.size(),
-                                 datetime.timedelta(seconds=60))
+
+    name = "gloo"
+
+    def __init__(self):
+        ident = rendezvous.identify()
+        store = rendezvous.connect_store(ident, 60)
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("bench/raw/", store), hvd.rank(),
+                                        hvd.size(), datetime.timedelta(seconds=60))
+
+    def allreduce(self, t: torch.Tensor) -> None:
+        self.pg.allreduce([t]).wait()
+
+
+class RawMPI:
+    """mpi4py on COMM_WORLD: the transport without hvdlite."""
+
+    name = "mpi"
+
+    def __init__(self):
+        from mpi4py import MPI
+        self.mpi = MPI
+        self.comm = MPI.COMM_WORLD.Dup()
+
+    def allreduce(self, t: torch.Tensor) -> None:
+        self.comm.Allreduce(self.mpi.IN_PLACE, t.numpy(), self.mpi.SUM)
 
 
 def main():
@@ -56,7 +78,7 @@ def main():
     torch.set_num_threads(1)
     hvd.init()
     size = hvd.size()
-    raw = raw_group()
+    raw = RawMPI() if hvd.mpi_enabled() else RawGloo()
     bus = 2 * (size - 1) / size
     rows = []
     nbytes = args.min_bytes
@@ -69,7 +91,7 @@ def main():
             hvd.allreduce_(x, name=name, op=hvd.Sum)
 
         def rw():
-            raw.allreduce([x]).wait()
+            raw.allreduce(x)
 
         hv()
         rw()
@@ -97,7 +119,7 @@ def main():
 
     def raw_many():
         for t in tensors:
-            raw.allreduce([t]).wait()
+            raw.allreduce(t)
 
     hv_many()
     raw_many()
@@ -110,7 +132,7 @@ def main():
     many["speedup"] = many["raw_one_by_one_ms"] / many["hvdlite_ms"]
 
     if hvd.rank() == 0:
-        print(f"allreduce, {size} ranks, gloo, median of {args.rounds} rounds")
+        print(f"allreduce, {size} ranks, {raw.name}, median of {args.rounds} rounds")
         print(f"{'bytes':>10} {'hvdlite us':>11} {'raw us':>10} {'hvdlite GB/s':>13} "
               f"{'raw GB/s':>9} {'hvdlite/raw bw':>15}")
         for r in rows:
@@ -120,16 +142,16 @@ def main():
         print(f"{many['tensors']} tensors of 4-256 KiB ({total / 2**20:.1f} MiB): hvdlite fused "
               f"{many['hvdlite_ms']:.1f} ms, raw one by one {many['raw_one_by_one_ms']:.1f} ms, "
               f"speedup {many['speedup']:.2f}x")
-        result = {"ranks": size, "transport": "gloo", "sizes": rows, "many_small": many}
+        result = {"ranks": size, "transport": raw.name, "sizes": rows, "many_small": many}
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
         if args.plot:
-            plot(rows, args.plot, size)
+            plot(rows, args.plot, size, raw.name)
     hvd.shutdown()
 
 
-def plot(rows, path: str, size: int) -> None:
+def plot(rows, path: str, size: int, transport: str) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -140,11 +162,11 @@ def plot(rows, path: str, size: int) -> None:
     x = [r["bytes"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(x, [r["hvdlite_busbw_GBs"] for r in rows], "o-", label="hvdlite")
-    ax.plot(x, [r["raw_busbw_GBs"] for r in rows], "s--", label="raw gloo")
+    ax.plot(x, [r["raw_busbw_GBs"] for r in rows], "s--", label=f"raw {transport}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("bytes")
     ax.set_ylabel("bus bandwidth, GB/s")
-    ax.set_title(f"allreduce, {size} ranks")
+    ax.set_title(f"allreduce, {size} ranks, {transport}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

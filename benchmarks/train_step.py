@@ -2,9 +2,10 @@
 
     hvdlite-run -np 2 python benchmarks/train_step.py [--models mlp,cnn,transformer]
 
-Both run in the same processes on the same model, data and thread settings, alternating
-A B A B over several rounds so machine noise hits both alike; the table shows the median
-step time of each and the ratio hvdlite / DDP (below 1.0 means hvdlite is faster).
+hvdlite, DDP and a plain local step (the same model with no communication at all: the
+one-process floor) run in the same processes on the same model, data and thread settings,
+alternating A B C A B C over several rounds so machine noise hits all alike; the table shows the
+median step time of each and the ratio hvdlite / DDP (below 1.0 means hvdlite is faster).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--json", default=None, help="write results here (rank 0)")
+    p.add_argument("--plot", default=None, help="PNG bar chart (rank 0, needs matplotlib)")
     return p.parse_args()
 
 
@@ -66,6 +68,8 @@ def main():
         base, x, y = MODELS[name]()
         hv_model = copy.deepcopy(base)
         ddp_model = DDP(copy.deepcopy(base))
+        local_model = copy.deepcopy(base)
+        local_opt = torch.optim.SGD(local_model.parameters(), lr=0.01)
         hv_opt = hvd.DistributedOptimizer(torch.optim.SGD(hv_model.parameters(), lr=0.01),
                                           named_parameters=hv_model.named_parameters())
         ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.01)
@@ -80,31 +84,69 @@ def main():
             F.cross_entropy(ddp_model(x), y).backward()
             ddp_opt.step()
 
-        time_steps(hv_step, args.warmup)
-        time_steps(ddp_step, args.warmup)
-        hv_times, ddp_times = [], []
+        def local_step():
+            local_opt.zero_grad()
+            F.cross_entropy(local_model(x), y).backward()
+            local_opt.step()
+
+        for step in (hv_step, ddp_step, local_step):
+            time_steps(step, args.warmup)
+        hv_times, ddp_times, local_times = [], [], []
         for _ in range(args.rounds):
             hv_times.append(time_steps(hv_step, args.steps))
             ddp_times.append(time_steps(ddp_step, args.steps))
+            local_times.append(time_steps(local_step, args.steps))
         params = sum(p.numel() for p in base.parameters())
         results[name] = {"params": params, "hvdlite_s": hv_times, "ddp_s": ddp_times,
+                         "local_s": local_times,
                          "hvdlite_median_ms": statistics.median(hv_times) * 1e3,
-                         "ddp_median_ms": statistics.median(ddp_times) * 1e3}
+                         "ddp_median_ms": statistics.median(ddp_times) * 1e3,
+                         "local_median_ms": statistics.median(local_times) * 1e3}
         results[name]["ratio"] = (results[name]["hvdlite_median_ms"]
                                   / results[name]["ddp_median_ms"])
     if rank == 0:
-        print(f"training step, {size} ranks, {args.threads} thread(s) each, "
-              f"{args.rounds} rounds x {args.steps} steps (median ms/step)")
-        print(f"{'model':<12} {'params':>10} {'hvdlite':>10} {'torch DDP':>10} {'hvdlite/DDP':>12}")
+        transport = "mpi" if hvd.mpi_enabled() else "gloo"
+        print(f"training step, {size} ranks, hvdlite over {transport}, DDP over gloo, "
+              f"{args.threads} thread(s) each, {args.rounds} rounds x {args.steps} steps "
+              f"(median ms/step)")
+        print(f"{'model':<12} {'params':>10} {'hvdlite':>10} {'torch DDP':>10} {'no comm':>10} "
+              f"{'hvdlite/DDP':>12}")
         for name, r in results.items():
             print(f"{name:<12} {r['params']:>10,} {r['hvdlite_median_ms']:>10.2f} "
-                  f"{r['ddp_median_ms']:>10.2f} {r['ratio']:>12.2f}")
+                  f"{r['ddp_median_ms']:>10.2f} {r['local_median_ms']:>10.2f} "
+                  f"{r['ratio']:>12.2f}")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"ranks": size, "threads": args.threads, "results": results}, f,
-                          indent=1)
+                json.dump({"ranks": size, "threads": args.threads, "transport": transport,
+                           "results": results}, f, indent=1)
+        if args.plot:
+            plot(results, args.plot, size, transport)
     dist.destroy_process_group()
     hvd.shutdown()
+
+
+def plot(results: dict, path: str, size: int, transport: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    names = list(results)
+    xs = range(len(names))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (key, label) in enumerate((("hvdlite_median_ms", f"hvdlite ({transport})"),
+                                      ("ddp_median_ms", "torch DDP (gloo)"),
+                                      ("local_median_ms", "no communication"))):
+        ax.bar([x + (i - 1) * 0.27 for x in xs], [results[n][key] for n in names], 0.27,
+               label=label)
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("ms per training step (median)")
+    ax.set_title(f"training step, {size} ranks")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

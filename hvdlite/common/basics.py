@@ -14,9 +14,11 @@ import time
 from typing import Optional
 
 from . import rendezvous
+from .backends import mpi as mpi_backend
+from .backends import nccl as nccl_backend
 from .backends.gloo import GlooCommunicator
 from .backends.local import SelfCommunicator
-from .config import Settings
+from .config import Settings, env
 from .controller import Coordinator
 from .engine import Engine, Entry, Handle
 from .exceptions import HorovodInternalError
@@ -42,6 +44,7 @@ class _State:
         self.sets: dict[int, ProcessSet] = {}
         self.dynamic = False
         self.add_counter = 0
+        self.transport = "gloo"
 
 
 _state: _State | None = None
@@ -81,9 +84,6 @@ def init(comm=None, process_sets=None) -> None:
     with _lock:
         if _state is not None:
             return
-        if comm is not None:
-            raise ValueError("init(comm=...) needs the MPI transport, which is not available in "
-                             "this build; launch with hvdlite-run and call init() without comm.")
         settings = Settings.from_env()
         _setup_logging(settings.log_level)
         dynamic = settings.dynamic_process_sets
@@ -96,7 +96,11 @@ def init(comm=None, process_sets=None) -> None:
                 if not isinstance(ps, ProcessSet) or ps.ranks is None:
                     raise ValueError("init(process_sets=...) takes a list of ProcessSet built "
                                      "from rank lists, or 'dynamic'")
-        ident = rendezvous.identify()
+        transport = _choose_transport(comm)
+        # Under mpirun (or with init(comm=...)) ranks meet over MPI, whatever the transport.
+        world = mpi_backend.world(comm) if (transport == "mpi" or mpi_backend.started_by_mpi()) \
+            else None
+        ident = mpi_backend.identity(world) if world is not None else rendezvous.identify()
         if ident.size > 1 or ident.store_host is not None:
             for ps in static:
                 bad = [r for r in ps.ranks if not 0 <= r < ident.size]
@@ -110,8 +114,11 @@ def init(comm=None, process_sets=None) -> None:
             # survivors do, so call-site counters restart with the round on every rank.
             with _site_lock:
                 _site_counters.clear()
-        store = rendezvous.connect_store(ident, settings.start_timeout_s)
-        key = _job_key(ident, store, prefix)
+        if world is None:
+            store = rendezvous.connect_store(ident, settings.start_timeout_s)
+        else:
+            store = mpi_backend.share_store(world, settings.start_timeout_s)
+        key = _job_key(ident, store, prefix) if world is None else mpi_backend.job_key(world)
         state = _State()
         state.settings = settings
         state.rank, state.size = ident.rank, ident.size
@@ -123,17 +130,13 @@ def init(comm=None, process_sets=None) -> None:
                                 settings.timeline_mark_cycles)
             state.coordinator = Coordinator(ident.size, key, settings, timeline)
             state.coordinator.start()
-            store.set(prefix + "coordinator",
-                      f"{rendezvous.advertised_host(ident)}:{state.coordinator.port}")
         state.timeline = timeline
         deadline = time.monotonic() + settings.start_timeout_s
-        try:
-            host, port = store.get(prefix + "coordinator").decode().rsplit(":", 1)
-        except Exception as exc:
-            raise HorovodInternalError(
-                f"rank {ident.rank} did not hear from rank 0 within "
-                f"{settings.start_timeout_s:.0f} s (HVDLITE_START_TIMEOUT): {exc}. Is rank 0 "
-                f"running?") from exc
+        port = state.coordinator.port if state.coordinator is not None else None
+        if world is not None:
+            host, port = mpi_backend.share_address(world, port)
+        else:
+            host, port = _share_address(ident, store, prefix, port, settings)
         sock = _connect(host, int(port), deadline)
         channel = Channel(sock, key)
         channel.send(("H", {"rank": ident.rank, "size": ident.size, "hostname": ident.hostname,
@@ -161,19 +164,58 @@ def init(comm=None, process_sets=None) -> None:
         global_process_set.ranks = list(range(ident.size))
         state.sets[0] = global_process_set
 
-        def comm_factory(set_id: int, ranks: list):
+        def comm_factory(set_id: int, ranks: list, kind: str = "cpu"):
             if len(ranks) == 1:
                 return SelfCommunicator()
+            if kind == "cuda" and nccl_backend.available():
+                return nccl_backend.NCCLCommunicator(store, f"{prefix}nccl/{set_id}/",
+                                                     ranks.index(ident.rank), len(ranks),
+                                                     settings.gloo_timeout_s)
+            if transport == "mpi":
+                return mpi_backend.MPICommunicator.for_ranks(world, ranks)
             return GlooCommunicator(store, f"{prefix}pg/{set_id}/", ranks.index(ident.rank),
                                     len(ranks), settings.gloo_timeout_s)
 
         state.engine = Engine(rank=ident.rank, size=ident.size, settings=settings,
                               channel=channel, comm_factory=comm_factory, set_ranks=set_ranks,
                               timeline=timeline)
+        state.transport = transport
         _state = state
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
+
+
+def _choose_transport(comm) -> str:
+    """gloo or mpi, as Horovod's HOROVOD_CPU_OPERATIONS says; under mpirun, MPI by default."""
+    choice = (env("CPU_OPERATIONS") or "").strip().lower()
+    if choice not in ("", "gloo", "mpi"):
+        raise ValueError(f"HOROVOD_CPU_OPERATIONS={choice!r}: hvdlite supports 'gloo' and 'mpi'")
+    if comm is not None and choice == "gloo":
+        raise ValueError("init(comm=...) takes an MPI communicator, but HOROVOD_CPU_OPERATIONS "
+                         "is 'gloo'; unset it or set it to 'mpi'.")
+    if comm is not None or choice == "mpi":
+        if not mpi_backend.available():
+            raise ValueError("the MPI transport needs mpi4py and an MPI library: "
+                             "pip install mpi4py mpich (or use HOROVOD_CPU_OPERATIONS=gloo)")
+        return "mpi"
+    if not choice and mpi_backend.launched_by_mpi() and mpi_backend.available():
+        return "mpi"
+    return "gloo"
+
+
+def _share_address(ident, store, prefix: str, port, settings) -> tuple[str, int]:
+    """Rank 0 publishes its coordinator's address in the store; every rank reads it."""
+    if port is not None:
+        store.set(prefix + "coordinator", f"{rendezvous.advertised_host(ident)}:{port}")
+    try:
+        host, port = store.get(prefix + "coordinator").decode().rsplit(":", 1)
+    except Exception as exc:
+        raise HorovodInternalError(
+            f"rank {ident.rank} did not hear from rank 0 within "
+            f"{settings.start_timeout_s:.0f} s (HVDLITE_START_TIMEOUT): {exc}. Is rank 0 "
+            f"running?") from exc
+    return host, int(port)
 
 
 def _job_key(ident, store, prefix: str) -> bytes:
@@ -369,19 +411,24 @@ def auto_name(op: str, set_id: int = 0) -> str:
 
 # ---------------------------------------------------------------------- build info
 def mpi_threads_supported() -> bool:
-    return False
+    """True when MPI runs with MPI_THREAD_MULTIPLE (hvdlite's MPI transport requires it)."""
+    return mpi_backend.available() and mpi_backend.threads_supported()
 
 
 def mpi_enabled() -> bool:
-    return False
+    """True when this job's collectives run on MPI."""
+    state = _state
+    return state is not None and state.transport == "mpi"
 
 
 def mpi_built() -> bool:
-    return False
+    """True when mpi4py and an MPI library are importable."""
+    return mpi_backend.available()
 
 
 def gloo_enabled() -> bool:
-    return True
+    state = _state
+    return state is None or state.transport == "gloo"
 
 
 def gloo_built() -> bool:
@@ -389,7 +436,8 @@ def gloo_built() -> bool:
 
 
 def nccl_built() -> bool:
-    return False
+    """True when torch has NCCL and a GPU is visible: CUDA tensors then reduce over NCCL."""
+    return nccl_backend.available()
 
 
 def ddl_built() -> bool:
@@ -401,7 +449,8 @@ def ccl_built() -> bool:
 
 
 def cuda_built() -> bool:
-    return False
+    import torch
+    return torch.backends.cuda.is_built()
 
 
 def rocm_built() -> bool:

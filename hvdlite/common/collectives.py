@@ -13,6 +13,7 @@ import threading
 
 import torch
 
+from . import adasum as _adasum
 from .messages import (ADASUM, ADASUM_OP, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BROADCAST,
                        REDUCESCATTER, SUM, Response)
 
@@ -86,7 +87,7 @@ class Executor:
     # ------------------------------------------------------------------ allreduce
     def allreduce(self, comm, resp: Response, inputs: list, outputs: list) -> None:
         dtype = DTYPES[resp.dtype]
-        op = SUM if resp.reduce_op in (AVERAGE, ADASUM) else resp.reduce_op
+        op = SUM if resp.reduce_op == AVERAGE else resp.reduce_op
         post = resp.postscale / comm.size if resp.reduce_op == AVERAGE else resp.postscale
         names = resp.names
         if len(inputs) == 1 and outputs[0] is not None and _on(comm, outputs[0]):
@@ -128,6 +129,43 @@ class Executor:
             if out is not None:
                 out.copy_(buf[offset:offset + n].view(out.shape))
             offset += n
+
+    # ------------------------------------------------------------------ adasum
+    def adasum(self, comm, resp: Response, inputs: list, outputs: list):
+        """Allreduce with op=Adasum. The transport has no send/recv for Horovod's VHDD, so every
+        rank allgathers every rank's (fused, prescaled) buffer in one call and runs the same
+        deterministic pairwise tree on it (adasum.py): identical results everywhere, at the cost
+        of moving and holding size x the buffer instead of ~2x. Fine for a handful of ranks."""
+        dtype = DTYPES[resp.dtype]
+        if not _adasum.is_power_of_two(comm.size):
+            raise NotImplementedError(_adasum.NON_POWER_OF_TWO)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        counts = [math.prod(s) for s in resp.shapes]
+        nbytes = sum(counts) * itemsize
+        raw = self.fusion.acquire(nbytes * (comm.size + 1), comm.device)
+        try:
+            send = raw[:nbytes].view(dtype)
+            recv = raw[nbytes:nbytes * (comm.size + 1)]
+            self._tl(resp.names, "MEMCPY_IN_FUSION_BUFFER")
+            offset = 0
+            for src, n in zip(inputs, counts):
+                send[offset:offset + n].copy_(src.reshape(-1))
+                offset += n
+            scale_(send, resp.prescale)
+            self._tl(resp.names, "ADASUM_ALLGATHER")
+            yield comm.allgather(recv, raw[:nbytes])
+            self._tl(resp.names, "ADASUM_TREE_REDUCE")
+            rows = recv.view(dtype).view(comm.size, sum(counts))
+            result = _adasum.tree_reduce(rows, counts)
+            scale_(result, resp.postscale)
+            self._tl(resp.names, "MEMCPY_OUT_FUSION_BUFFER")
+            offset = 0
+            for out, n in zip(outputs, counts):
+                if out is not None:
+                    out.copy_(result[offset:offset + n].view(out.shape))
+                offset += n
+        finally:
+            self.fusion.release(raw)
 
     # ------------------------------------------------------------------ reducescatter
     @staticmethod
@@ -281,6 +319,9 @@ def run(executor: Executor, comm, resp: Response, entries: list):
     every entry's result is stored (entries[i] may be None when this rank has joined and
     contributes zeros)."""
     t = resp.type
+    for e in entries:
+        if e is not None and e.ready_event is not None:
+            torch.cuda.current_stream(e.tensor.device).wait_event(e.ready_event)
     inputs = [e.tensor if e is not None else None for e in entries]
     if t in (ALLREDUCE, ADASUM_OP):
         dtype = DTYPES[resp.dtype]
@@ -289,7 +330,10 @@ def run(executor: Executor, comm, resp: Response, entries: list):
             # A joined rank contributes zeros of the agreed shape.
             inputs = [i if i is not None else torch.zeros(s, dtype=dtype)
                       for i, s in zip(inputs, resp.shapes)]
-        yield from executor.allreduce(comm, resp, inputs, outputs)
+        if resp.reduce_op == ADASUM:
+            yield from executor.adasum(comm, resp, inputs, outputs)   # Adasum hook
+        else:
+            yield from executor.allreduce(comm, resp, inputs, outputs)
         for e in entries:
             if e is not None:
                 e.result = e.output

@@ -66,6 +66,16 @@ class Settings:
     elastic: bool = False
     # How long rank 0 keeps coordinating other ranks after its own shutdown().
     shutdown_grace_s: float = 10.0
+    # Autotune (autotune.py): Horovod's knobs and defaults. A tuned parameter that the user set
+    # explicitly (HOROVOD_FUSION_THRESHOLD / HOROVOD_CYCLE_TIME) is held constant.
+    autotune: bool = False
+    autotune_log: str | None = None
+    autotune_warmup_samples: int = 3
+    autotune_steps_per_sample: int = 10
+    autotune_bayes_opt_max_samples: int = 20
+    autotune_gaussian_process_noise: float = 0.8
+    fusion_threshold_fixed: bool = False
+    cycle_time_fixed: bool = False
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -85,4 +95,15 @@ class Settings:
         s.dynamic_process_sets = env_bool("DYNAMIC_PROCESS_SETS", False)
         s.elastic = env_bool("ELASTIC", False)
         s.shutdown_grace_s = env_float("SHUTDOWN_GRACE_SECONDS", s.shutdown_grace_s)
+        s.autotune = env_bool("AUTOTUNE", False)
+        s.autotune_log = env("AUTOTUNE_LOG")
+        s.autotune_warmup_samples = env_int("AUTOTUNE_WARMUP_SAMPLES", s.autotune_warmup_samples)
+        s.autotune_steps_per_sample = env_int("AUTOTUNE_STEPS_PER_SAMPLE",
+                                              s.autotune_steps_per_sample)
+        s.autotune_bayes_opt_max_samples = env_int("AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+                                                   s.autotune_bayes_opt_max_samples)
+        s.autotune_gaussian_process_noise = env_float("AUTOTUNE_GAUSSIAN_PROCESS_NOISE",
+                                                      s.autotune_gaussian_process_noise)
+        s.fusion_threshold_fixed = env("FUSION_THRESHOLD") is not None
+        s.cycle_time_fixed = env("CYCLE_TIME") is not None
         return s

@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from . import autotune
 from .config import Settings
 from .fusion import fuse_responses
 from .messages import (ADD_PROCESS_SET, CACHEABLE_TYPES, ERROR, JOIN, REMOVE_PROCESS_SET,
@@ -87,6 +88,8 @@ class Coordinator:
         self._evicted: list = []                    # (set, bits) retired while releasing
         self._fresh: set[tuple[int, int]] = set()   # (set id, bit) announced in this round
         self._group_sizes: dict[tuple[int, str], int] = {}
+        # Autotune hook: None unless HOROVOD_AUTOTUNE=1 (see autotune.py).
+        self.autotune = autotune.create(settings)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -121,6 +124,8 @@ class Coordinator:
                 self._broadcast_fatal(self.fatal)
             for peer in list(self.peers.values()):
                 peer.channel.close()
+            if self.autotune is not None:
+                self.autotune.close()
             self.sel.close()
             self.listener.close()
             self._wake_r.close()
@@ -595,8 +600,17 @@ class Coordinator:
         if not released:
             return
         by_id = {s.id: s for s, _ in released}
-        fused = fuse_responses([r for _, r in released], self.settings.fusion_threshold,
+        threshold = (self.settings.fusion_threshold if self.autotune is None
+                     else self.autotune.fusion_threshold)
+        fused = fuse_responses([r for _, r in released], threshold,
                                group_fusion=not self.settings.disable_group_fusion)
+        if self.autotune is not None:
+            # Autotune hook: score what was released; a new cycle time goes to every rank ahead
+            # of these responses (the engine applies ("P", ms) items).
+            cycle_ms = self.autotune.observe(fused)
+            if cycle_ms is not None:
+                for g in self.peers:
+                    out.setdefault(g, []).append(("P", cycle_ms))
         for resp in fused:
             s = by_id[resp.process_set_id]
             bits = resp.cache_bits or []

@@ -39,7 +39,7 @@ SHUT_DOWN_MESSAGE = ("Horovod has been shut down. This was caused by an exceptio
 class Handle:
     """Completion of one enqueue call (one or more tensors)."""
 
-    __slots__ = ("_event", "_pending", "entries", "error", "_lock", "callbacks")
+    __slots__ = ("_event", "_pending", "entries", "error", "_lock", "callbacks", "_release")
 
     def __init__(self, entries: list):
         self._event = threading.Event()
@@ -48,6 +48,7 @@ class Handle:
         self.entries = entries
         self.error: str | None = None
         self.callbacks: list[Callable] = []
+        self._release: Callable[[], None] | None = None   # frees the names once waited for
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -76,6 +77,9 @@ class Handle:
                     raise HorovodInternalError(
                         "the hvdlite background thread stopped before this collective finished; "
                         "see the errors above")
+        release, self._release = self._release, None
+        if release is not None:
+            release()
         if self.error is not None:
             raise HorovodInternalError(self.error)
         return [e.result for e in self.entries]
@@ -90,6 +94,7 @@ class Entry:
     result: Any = None
     extra: Any = None             # alltoall: received splits
     sent_bit: int = -1            # the cache bit sent instead of the request, if any
+    ready_event: Any = None       # CUDA input: event recorded on the caller's stream
 
 
 class Engine:
@@ -111,6 +116,10 @@ class Engine:
         self._lock = threading.Lock()
         self._queue: deque[Entry] = deque()
         self._inflight: dict[tuple[int, str], Entry] = {}
+        # Names stay taken from submission until the caller has waited for the result, so a
+        # duplicate-name error does not depend on how fast the collective happened to finish
+        # (which differs between ranks and would make their code paths diverge).
+        self._reserved: set[tuple[int, str]] = set()
         self._closed: str | None = None
         self._stopping = False
         self._last_send = 0.0
@@ -156,18 +165,39 @@ class Engine:
                                      f"{req.process_set_id} (ranks {ranks}); only members may "
                                      f"submit '{req.name}' to it.")
                 key = (req.process_set_id, req.name)
-                if key in self._inflight or key in keys:
+                if key in self._reserved or key in keys:
                     raise ValueError(
                         f"Requested to {TYPE_NAMES[req.type].lower()} a tensor with the same name "
                         f"as another tensor that is currently being processed: '{req.name}'. "
-                        f"Give each in-flight collective a unique name.")
+                        f"A name stays in use until synchronize() has returned its result; give "
+                        f"each in-flight collective a unique name.")
                 keys.append(key)
+            # With nothing outstanding there is nothing to batch with: send from this thread
+            # at once instead of waking the background thread to do it (one thread hop less).
+            direct = not (self._inflight or self._in_transport or self._stopping)
+            self._reserved.update(keys)
+            handle._release = lambda: self._unreserve(keys)
             for key, e in zip(keys, entries):
                 e.handle = handle
+                t = e.tensor
+                if t is not None and getattr(t, "is_cuda", False):
+                    # The transport runs on other threads' streams: remember when the caller's
+                    # stream has produced the input (Horovod's ready event).
+                    import torch
+                    e.ready_event = torch.cuda.Event()
+                    e.ready_event.record()
                 self._inflight[key] = e
-                self._queue.append(e)
-        self._wake()
+                if not direct:
+                    self._queue.append(e)
+        if direct:
+            self._send_entries(entries)
+        else:
+            self._wake()
         return handle
+
+    def _unreserve(self, keys: list) -> None:
+        with self._lock:
+            self._reserved.difference_update(keys)
 
     def _wake(self) -> None:
         try:
@@ -257,8 +287,11 @@ class Engine:
         with self._lock:
             entries = list(self._queue)
             self._queue.clear()
-        if not entries:
-            return
+        if entries:
+            self._send_entries(entries)
+
+    def _send_entries(self, entries: list) -> None:
+        """Send requests, or just their cache bits (any thread; the channel serializes)."""
         full = []
         masks: dict[int, int] = {}
         for e in entries:
@@ -308,6 +341,9 @@ class Engine:
                     self.cache.evict(item[1], item[2])
                 elif tag == "B":
                     self._resend(item[1], item[2])
+                elif tag == "P":
+                    # Autotune hook: the coordinator's tuner set a new cycle time (ms).
+                    self.cycle_s = max(float(item[1]), 0.0) / 1000.0
                 if self._closed is not None:
                     return False
             return True
@@ -321,10 +357,13 @@ class Engine:
         with self._lock:
             return [self._inflight.pop((set_id, n), None) for n in names]
 
-    def _comm(self, set_id: int):
-        comm = self.comms.get(set_id)
+    def _comm(self, set_id: int, device: int = -1):
+        """The set's communicator for CPU tensors, or for GPU ones (device >= 0)."""
+        kind = "cuda" if device >= 0 else "cpu"
+        comm = self.comms.get((set_id, kind))
         if comm is None:
-            comm = self.comms[set_id] = self.comm_factory(set_id, self.set_ranks[set_id])
+            comm = self.comms[(set_id, kind)] = self.comm_factory(set_id, self.set_ranks[set_id],
+                                                                   kind)
         return comm
 
     def _execute(self, resp: Response) -> None:
@@ -357,9 +396,10 @@ class Engine:
             self._wait_transport_idle()
             sid = resp.extra
             self.set_ranks.pop(sid, None)
-            comm = self.comms.pop(sid, None)
-            if comm is not None:
-                comm.close()
+            for kind in ("cpu", "cuda"):
+                comm = self.comms.pop((sid, kind), None)
+                if comm is not None:
+                    comm.close()
             self.cache.drop_set(sid)
             for e in entries:
                 if e is not None:
@@ -376,12 +416,16 @@ class Engine:
         if tl is not None:
             tl.start_op(resp.names, TYPE_NAMES[resp.type],
                         {"dtype": resp.dtype, "shape": str(resp.shapes[0]) if resp.shapes else ""})
+            # Timeline: QUEUE opens inside the op, so the collective's first phase ends QUEUE
+            # (not the op itself) and every op's events nest and balance.
+            tl.activity(resp.names, "QUEUE")
         with self._lock:
             seq = self._transport_seq
             self._transport_seq += 1
             self._in_transport[seq] = [e for e in entries if e is not None]
         try:
-            gen = collectives.run(self.executor, self._comm(set_id), resp, entries)
+            gen = collectives.run(self.executor, self._comm(set_id, resp.device), resp,
+                                  entries)
             work = next(gen)
             while work is DONE:  # a one-rank set: nothing to wait for, finish here
                 work = gen.send(None)

@@ -12,6 +12,8 @@ from .messages import ALLGATHER, BROADCAST, FUSABLE_TYPES, Response
 def _compatible(a: Response, b: Response, group_fusion: bool) -> bool:
     if a.type != b.type or a.type not in FUSABLE_TYPES or a.error or b.error:
         return False
+    # reduce_op is part of the key: Adasum responses (reduced tensor by tensor by
+    # collectives.Executor.adasum) fuse only with other Adasum responses, never with Sum/Average.
     if (a.process_set_id, a.dtype, a.device < 0, a.reduce_op, a.prescale, a.postscale) != \
             (b.process_set_id, b.dtype, b.device < 0, b.reduce_op, b.prescale, b.postscale):
         return False

@@ -9,6 +9,7 @@ import warnings
 
 import torch
 
+from ..common import adasum as _adasum
 from ..common import basics as _basics
 from ..common.collectives import DTYPE_NAMES
 from ..common.engine import Entry, Handle
@@ -72,9 +73,26 @@ def _request(tensor, name, rtype, process_set, *, reduce=False, **kw) -> Request
                    device=_device(tensor), process_set_id=_set_id(process_set), **kw)
 
 
-def _check_reduce_op(op, process_set):
+def _check_adasum(process_set, tensors=()) -> None:
+    """Horovod's conditions for op=Adasum, with Horovod's messages: the global process set and a
+    power-of-two number of ranks (the reduction tree pairs ranks); and CPU floating-point
+    tensors (hvdlite implements Horovod's CPU Adasum, not its NCCL-hierarchical GPU variant)."""
+    if _set_id(process_set) != 0:
+        raise NotImplementedError(_adasum.NON_GLOBAL_SET)
+    if not _adasum.is_power_of_two(_basics.size()):
+        raise NotImplementedError(_adasum.NON_POWER_OF_TWO)
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise NotImplementedError(_adasum.GPU_TENSOR)
+        if not t.is_floating_point():
+            raise ValueError(f"op=Adasum needs floating-point tensors (float16, bfloat16, float32 "
+                             f"or float64); got {t.dtype}.")
+
+
+def _check_reduce_op(op, process_set, tensors=()):
     if op == Adasum:
-        raise NotImplementedError("op=Adasum is not available yet in hvdlite; use Average or Sum.")
+        _check_adasum(process_set, tensors)
+        return
     if op not in (Average, Sum, Min, Max, Product):
         raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Min, Max or Product")
 
@@ -82,7 +100,7 @@ def _check_reduce_op(op, process_set):
 # ---------------------------------------------------------------------- allreduce
 def _allreduce_async(tensors, outputs, name, op, prescale_factor, postscale_factor,
                      process_set, grouped: bool):
-    _check_reduce_op(op, process_set)
+    _check_reduce_op(op, process_set, tensors)
     auto = name is None
     base = _basics.auto_name("allreduce", _set_id(process_set)) if auto else name
     entries = []

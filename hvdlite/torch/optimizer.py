@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..common import adasum as _adasum
 from ..common import basics as _basics
 from ..common.config import env
 from .compression import Compression
@@ -347,6 +348,170 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._hvd_base.zero_grad(self, set_to_none)
 
 
+class _DistributedAdasumOptimizer(torch.optim.Optimizer):
+    """Horovod's delta formulation of Adasum: as soon as a parameter's gradient is ready, step
+    the wrapped optimizer on that parameter alone, then Adasum-allreduce the change it made
+    (new - start) in place; `step()` waits and sets every parameter to start + combined delta.
+
+    Adasum combines the ranks' updates rather than their gradients, so the wrapped optimizer's
+    own scaling (learning rate, momentum, Adam's normalisation) applies before the combination.
+    """
+
+    _hvd_base = torch.optim.Optimizer
+    _hvd_distributed = True
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step=1,
+                 defaults=None):
+        self._hvd_base.__init__(self, params)
+        if defaults is not None:
+            self.defaults = dict(defaults)
+        self._compression = compression
+
+        if named_parameters is not None:
+            named_parameters = list(named_parameters)
+            wire_prefix = "allreduce."
+        else:
+            named_parameters = [(f"allreduce.noname.{i}.{j}", v)
+                                for i, param_group in enumerate(self.param_groups)
+                                for j, v in enumerate(param_group["params"])]
+            wire_prefix = ""
+        if any(not isinstance(p, tuple) for p in named_parameters):
+            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                             "usually produced by model.named_parameters().")
+        dups = _DistributedOptimizer.find_duplicates([k for k, _ in named_parameters])
+        if len(dups) > 0:
+            raise ValueError("Parameter names in named_parameters must be unique. "
+                             "Found duplicates: %s" % ", ".join(sorted(dups)))
+        all_param_ids = {id(v) for param_group in self.param_groups
+                         for v in param_group["params"]}
+        unnamed_param_ids = all_param_ids - {id(v) for _, v in named_parameters}
+        if len(unnamed_param_ids):
+            raise ValueError("named_parameters was specified, but one or more model parameters "
+                             "were not named. Python object ids: "
+                             "%s" % ", ".join(str(i) for i in unnamed_param_ids))
+
+        named_sorted = sorted(named_parameters, key=lambda kv: kv[0])
+        self._parameter_names = {v: k for k, v in named_sorted}
+        self._wire_names = {v: wire_prefix + k for k, v in named_sorted}
+        self.backward_passes_per_step = backward_passes_per_step
+        self._allreduce_delay = {v: self.backward_passes_per_step for _, v in named_sorted}
+        self.op = Adasum
+        self.process_set = global_process_set
+        self._handles = {}
+        self._grad_accs = []
+        self._requires_update = set()
+        self._synchronized = False
+        self._should_synchronize = True
+        # The parameters' values before the local step: delta = new - start.
+        self._starting_models = {p: torch.zeros_like(p, requires_grad=False)
+                                 for _, p in named_sorted}
+        self._register_hooks()
+
+    def set_backward_passes_per_step(self, passes):
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+
+    def load_state_dict(self, *args, **kwargs):
+        self._handles = {}
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        return self._hvd_base.load_state_dict(self, *args, **kwargs)
+
+    def _register_hooks(self):
+        for param_group in self.param_groups:
+            for p in param_group["params"]:
+                if p.requires_grad:
+                    self._requires_update.add(p)
+                    self._grad_accs.append(
+                        p.register_post_accumulate_grad_hook(self._make_hook(p)))
+        weakref.finalize(self, _remove_hooks, list(self._grad_accs))
+
+    def _base_step(self, closure=None):
+        base_step = self._hvd_base.step
+        if getattr(base_step, "hooked", False):
+            base_step = base_step.__wrapped__
+        return base_step(self, closure)
+
+    def _allreduce_grad_async(self, p):
+        """Step the wrapped optimizer on p alone, turn p into the delta, Adasum it in place."""
+        start = self._starting_models[p]
+        stashed = []
+        for group in self.param_groups:
+            stashed.append(group["params"])
+            group["params"] = [p] if any(p is v for v in group["params"]) else []
+        try:
+            start.data.copy_(p.data)
+            self._base_step()
+        finally:
+            for saved, group in zip(stashed, self.param_groups):
+                group["params"] = saved
+        p.data.sub_(start)
+        tensor_compressed, ctx = self._compression.compress(p.data)
+        handle = allreduce_async_(tensor_compressed, name=self._wire_names.get(p), op=Adasum)
+        return handle, ctx
+
+    def _make_hook(self, p):
+        ref = weakref.ref(self)
+
+        def hook(*ignore):
+            opt = ref()
+            if opt is None:
+                return
+            if p in opt._handles and opt._handles[p][0] is not None:
+                if opt._allreduce_delay[p] <= 0:
+                    raise AssertionError(
+                        "Gradients were computed more than backward_passes_per_step times "
+                        "before call to step(). Increase backward_passes_per_step to "
+                        "accumulate gradients locally.")
+            assert not p.grad.requires_grad
+            assert opt._allreduce_delay[p] > 0
+            handle, ctx = None, None
+            opt._allreduce_delay[p] -= 1
+            if opt._allreduce_delay[p] == 0:
+                handle, ctx = opt._allreduce_grad_async(p)
+            opt._handles[p] = (handle, ctx)
+        return hook
+
+    def synchronize(self):
+        """Nothing to do: with Adasum the reduction happens in step()."""
+
+    @contextmanager
+    def skip_synchronize(self):
+        raise AssertionError("Skipping synchronization is not supported when using Adasum "
+                             "optimizer.")
+        yield  # pragma: no cover
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # Parameters whose hook did not fire (no gradient this step) still take part, so every
+        # rank submits the same tensors; their local step leaves them unchanged (delta 0).
+        for p in self._requires_update - set(self._handles):
+            self._handles[p] = self._allreduce_grad_async(p)
+        for p, (handle, ctx) in list(self._handles.items()):
+            if handle is None:   # step() before backward_passes_per_step passes: reduce now
+                handle, ctx = self._allreduce_grad_async(p)
+                self._handles[p] = (handle, ctx)
+        for p, (handle, ctx) in self._handles.items():
+            delta = self._compression.decompress(synchronize(handle), ctx)
+            start = self._starting_models[p]
+            start.data.add_(delta.data.view_as(start))
+            p.data.copy_(start)
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._handles.clear()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
+                                 "but before optimizer.step() or optimizer.synchronize(). "
+                                 "This is prohibited as it can cause a race condition.")
+        return self._hvd_base.zero_grad(self, set_to_none)
+
+
 def DistributedOptimizer(optimizer, named_parameters=None,
                          compression=Compression.none,
                          backward_passes_per_step=1,
@@ -367,7 +532,9 @@ def DistributedOptimizer(optimizer, named_parameters=None,
             `model.named_parameters()`; default names are `allreduce.noname.<group>.<index>`.
         compression: `Compression.none` or `Compression.fp16`.
         backward_passes_per_step: backward passes accumulated locally before one allreduce.
-        op: `Average` (default) or `Sum` (`Adasum` is not available yet).
+        op: `Average` (default), `Sum`, or `Adasum` (global process set, power-of-two number
+            of ranks): each rank steps the wrapped optimizer locally and the parameter changes
+            are combined with Adasum (Horovod's `_DistributedAdasumOptimizer`).
         gradient_predivide_factor: with `Average`, scale by 1/f before the sum and f/size after.
         num_groups: deprecated alias of `groups`.
         groups: an int (split the parameters into that many groups) or a list of lists of
@@ -390,12 +557,21 @@ def DistributedOptimizer(optimizer, named_parameters=None,
         if groups is None:
             groups = num_groups
 
+    base = optimizer.__class__
     if op == Adasum and _basics.size() > 1:
         if process_set != global_process_set:
-            raise NotImplementedError("Adasum does not support non-global process sets yet.")
-        raise NotImplementedError("op=Adasum is not available yet in hvdlite")
+            raise NotImplementedError(_adasum.NON_GLOBAL_SET)
+        if not _adasum.is_power_of_two(_basics.size()):
+            raise NotImplementedError(_adasum.NON_POWER_OF_TWO)
+        if any(p.device.type != "cpu" for group in optimizer.param_groups
+               for p in group["params"]):
+            raise NotImplementedError(_adasum.GPU_TENSOR)
+        attrs = dict(_DistributedAdasumOptimizer.__dict__)
+        attrs["_hvd_base"] = base
+        cls = type(base.__name__, (base,), attrs)
+        return cls(optimizer.param_groups, named_parameters, compression,
+                   backward_passes_per_step, defaults=getattr(optimizer, "defaults", None))
 
-    base = optimizer.__class__
     attrs = dict(_DistributedOptimizer.__dict__)
     attrs["_hvd_base"] = base
     cls = type(base.__name__, (base,), attrs)

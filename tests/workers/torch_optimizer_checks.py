@@ -526,7 +526,9 @@ def validation_errors():
         (dict(named_parameters=[p for _, p in named]), ValueError,
          "named_parameters should be a sequence of tuples (name, parameter), usually produced "
          "by model.named_parameters()."),
-        (dict(op=hvd.Adasum), NotImplementedError, "op=Adasum is not available yet in hvdlite"),
+        # op=Adasum itself works now (tests/test_adasum.py); Horovod's predivide rule still holds.
+        (dict(op=hvd.Adasum, gradient_predivide_factor=2.0), ValueError,
+         "gradient_predivide_factor not supported with op != Average"),
     ]
     for kwargs, exc_type, msg in cases:
         try:

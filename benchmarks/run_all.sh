@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Run every benchmark (gloo through hvdlite-run, MPI through mpiexec; 2 and 4 ranks) and write
+# JSON and PNG results under benchmarks/results/. Usage: bash benchmarks/run_all.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+PY=.venv/bin/python
+OUT=benchmarks/results
+mkdir -p "$OUT"
+.venv/bin/pip install -q --disable-pip-version-check matplotlib mpi4py mpich >/dev/null 2>&1 || true
+for np in 2 4; do
+  echo "== training step, $np ranks, gloo"
+  HOROVOD_CPU_OPERATIONS=gloo .venv/bin/hvdlite-run -np "$np" "$PY" benchmarks/train_step.py \
+      --json "$OUT/train_step_gloo_np$np.json" --plot "$OUT/train_step_gloo_np$np.png"
+  if [ -x .venv/bin/mpiexec ]; then
+    echo "== training step, $np ranks, mpi"
+    .venv/bin/mpiexec -n "$np" "$PY" benchmarks/train_step.py \
+        --json "$OUT/train_step_mpi_np$np.json" --plot "$OUT/train_step_mpi_np$np.png"
+  fi
+done
+echo "== allreduce, 2 ranks, gloo"
+.venv/bin/hvdlite-run -np 2 "$PY" benchmarks/allreduce.py \
+    --json "$OUT/allreduce_gloo.json" --plot "$OUT/allreduce_gloo.png"
+if [ -x .venv/bin/mpiexec ]; then
+  echo "== allreduce, 2 ranks, mpi"
+  .venv/bin/mpiexec -n 2 "$PY" benchmarks/allreduce.py \
+      --json "$OUT/allreduce_mpi.json" --plot "$OUT/allreduce_mpi.png"
+fi

@@ -1,0 +1,45 @@
+"""The MPI transport (mpi4py over the mpich wheel): a job started by mpiexec directly."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from util import ROOT, WORKERS
+
+MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+try:
+    import mpi4py  # noqa: F401
+    HAVE_MPI = MPIEXEC is not None
+except ImportError:
+    HAVE_MPI = False
+
+pytestmark = pytest.mark.skipif(not HAVE_MPI, reason="mpi4py/mpiexec not installed "
+                                                     "(pip install mpi4py mpich)")
+
+
+def mpiexec(script: str, np: int, timeout: float = 120, env: dict | None = None):
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    e.update(env or {})
+    return subprocess.run([MPIEXEC, "-n", str(np), sys.executable, str(WORKERS / script)],
+                          capture_output=True, text=True, timeout=timeout, env=e)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("np", [2, 4])
+def test_job_started_by_mpiexec_uses_mpi(np):
+    proc = mpiexec("mpi_direct.py", np)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in range(np):
+        assert f"OK rank {r}" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(150)
+def test_mpirun_job_with_gloo_transport():
+    """HOROVOD_CPU_OPERATIONS=gloo under mpiexec: ranks meet over MPI, data goes over gloo."""
+    proc = mpiexec("env_start.py", 2, env={"HOROVOD_CPU_OPERATIONS": "gloo"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK rank=0 size=2" in proc.stdout and "OK rank=1 size=2" in proc.stdout

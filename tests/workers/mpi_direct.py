@@ -1,0 +1,62 @@
+"""A job started by mpiexec directly runs its collectives on MPI and gets exact results."""
+import sys
+
+import torch
+
+import hvdlite.torch as hvd
+
+hvd.init(process_sets="dynamic")
+r, s = hvd.rank(), hvd.size()
+assert hvd.mpi_enabled() and hvd.mpi_built() and not hvd.gloo_enabled()
+
+
+def inputs(rank, dtype, shape=(3, 4)):
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randint(-5, 6, shape, generator=g).to(dtype)
+
+
+for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+              torch.bfloat16, torch.float32, torch.float64):
+    vals = [inputs(k, dtype).abs() if dtype == torch.uint8 else inputs(k, dtype)
+            for k in range(s)]
+    mine = vals[r]
+    stack = torch.stack([v.double() for v in vals])
+    for op, ref in ((hvd.Sum, stack.sum(0)), (hvd.Min, stack.min(0).values),
+                    (hvd.Max, stack.max(0).values), (hvd.Product, stack.prod(0))):
+        out = hvd.allreduce(mine, op=op, name=f"ar.{dtype}.{op}")
+        assert torch.equal(out.double(), ref.to(dtype).double()), (dtype, op, out, ref)
+    avg = hvd.allreduce(mine.double() if not mine.is_floating_point() else mine,
+                        name=f"avg.{dtype}")
+    assert torch.allclose(avg.double(), stack.mean(0), atol=1e-2), (dtype, avg)
+
+g = hvd.allgather(torch.full((r + 1, 2), float(r)), name="ag")
+assert g.shape == (s * (s + 1) // 2, 2)
+assert torch.equal(g[:, 0], torch.cat([torch.full((k + 1,), float(k)) for k in range(s)]))
+b = hvd.broadcast(torch.tensor([float(r)] * 3), root_rank=s - 1, name="bc")
+assert b.tolist() == [float(s - 1)] * 3
+splits = [k + 1 for k in range(s)]
+out, recv = hvd.alltoall(torch.full((sum(splits), 2), float(r)), splits=splits, name="a2a")
+assert recv.tolist() == [r + 1] * s and out[:, 0].tolist() == sum(([float(k)] * (r + 1)
+                                                                   for k in range(s)), [])
+rs = hvd.reducescatter(torch.arange(2 * s + 1, dtype=torch.float32), op=hvd.Sum, name="rs")
+rows = [(2 * s + 1) // s + (1 if k < (2 * s + 1) % s else 0) for k in range(s)]
+start = sum(rows[:r])
+assert rs.tolist() == [float(v * s) for v in range(start, start + rows[r])], rs
+handles = [hvd.allreduce_async(torch.ones(100) * i, name=f"many.{i}", op=hvd.Sum)
+           for i in range(50)]
+assert all(torch.equal(hvd.synchronize(h), torch.ones(100) * i * s)
+           for i, h in enumerate(handles))
+odd = hvd.add_process_set([k for k in range(s) if k % 2 == 1])
+if r % 2 == 1:
+    x = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum, process_set=odd, name="odd")
+    assert x.item() == sum(k for k in range(s) if k % 2 == 1)
+hvd.barrier()
+hvd.remove_process_set(odd)
+if r == 0:
+    hvd.join()
+else:
+    hvd.allreduce(torch.ones(2), name="after_join", op=hvd.Sum)
+    hvd.join()
+print(f"OK rank {r}", flush=True)
+hvd.shutdown()
+sys.exit(0)
