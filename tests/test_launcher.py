@@ -193,8 +193,8 @@ def test_usage_errors(args, message):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args, message", [
-    ("-np 1 --mpi true", "hvdlite-run: --mpi is not available yet"),
     ("-np 1 --jsrun true", "hvdlite-run: --jsrun is not available yet"),
+    ("-np 2 --mpi --min-np 1 true", "hvdlite-run: --mpi cannot run elastic jobs"),
 ])
 def test_not_available_yet(args, message):
     out = launch(*args.split(), timeout=20)

@@ -43,3 +43,20 @@ def test_mpirun_job_with_gloo_transport():
     proc = mpiexec("env_start.py", 2, env={"HOROVOD_CPU_OPERATIONS": "gloo"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK rank=0 size=2" in proc.stdout and "OK rank=1 size=2" in proc.stdout
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("np", [2, 4])
+def test_hvdlite_run_mpi_runs_the_collective_matrix_on_mpi(np, tmp_path):
+    """`hvdlite-run --mpi` starts the ranks under mpiexec; the whole basic collective matrix
+    (every op, dtype and reduce op, errors included) passes on the MPI transport."""
+    from util import hvdlite_run, rank_lines
+    proc = hvdlite_run("ops_basic.py", np=np, args=[str(tmp_path)], launcher_args=["--mpi"],
+                       timeout=180)
+    for r in range(np):
+        lines = rank_lines(proc.stdout, r)
+        checks = [line for line in lines if line.startswith("CHECK ")]
+        assert len(checks) > 20, proc.stdout[-3000:]
+        failed = [line for line in checks if not line.split()[2] == "OK"]
+        assert not failed, "\n".join(failed)
+        assert any(line.startswith("FINISHED ") for line in lines)

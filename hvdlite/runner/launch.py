@@ -3,7 +3,7 @@
 Every horovodrun 0.28 flag is accepted so that existing launch scripts work unchanged. Hosts
 that are this machine start locally, others over ssh (-p/-i); `--min-np`, `--max-np` or
 `--host-discovery-script` select elastic mode (elastic_driver.py). Flags for parts that hvdlite
-does not provide yet (--mpi, --jsrun) are parsed and validated, then refused with a clear message
+does not provide (--jsrun) are parsed and validated, then refused with a clear message
 instead of being silently ignored.
 """
 from __future__ import annotations
@@ -425,7 +425,7 @@ def launch(args: argparse.Namespace) -> int:
     from hvdlite.runner.local import LaunchError, SSHSettings
 
     if args.use_mpi:
-        return _fail("--mpi is not available yet; use --gloo (the default)", 2)
+        return _launch_mpi(args)
     if args.use_jsrun:
         return _fail("--jsrun is not available yet; use --gloo (the default)", 2)
     env = dict(os.environ)
@@ -453,6 +453,24 @@ def launch(args: argparse.Namespace) -> int:
         rendezvous = Rendezvous([s.hostname for s in slots], args.start_timeout, args.nics)
         return run_job(spec, rendezvous).exit_code
     except LaunchError as e:
+        return _fail(str(e), 2)
+
+
+def _launch_mpi(args: argparse.Namespace) -> int:
+    """--mpi: the ranks start under mpiexec and run their collectives on MPI."""
+    from hvdlite.runner.mpi_run import MPILaunchError, run_mpi
+
+    if args.elastic:
+        return _fail("--mpi cannot run elastic jobs (Horovod's elastic mode needs gloo too); "
+                     "drop --mpi or the elastic flags", 2)
+    failed = _check_command(args.command[0], [h.name for h in args.host_list or []])
+    if failed is not None:
+        return failed
+    env = dict(os.environ)
+    env.update(tuning_env(args))
+    try:
+        return run_mpi(args.num_proc, args.host_list, list(args.command), env, args.mpi_args)
+    except MPILaunchError as e:
         return _fail(str(e), 2)
 
 

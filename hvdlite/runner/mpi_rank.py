@@ -1,0 +1,51 @@
+"""Per-rank wrapper under `hvdlite-run --mpi`: runs the command and prefixes each line of its
+output with `[rank]<stdout>:` / `[rank]<stderr>:`, whole lines at a time, like the gloo launcher.
+
+mpiexec's own prefixing works per write, not per line, so lines from different ranks could be
+spliced together. The child keeps the MPI launcher's file descriptors (close_fds=False), so
+MPI_Init in it reaches the process manager as if mpiexec had started it directly.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+
+def _rank() -> str:
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK"):
+        if os.environ.get(var):
+            return os.environ[var]
+    return "?"
+
+
+def _pump(src, fd: int, prefix: bytes) -> None:
+    for line in iter(src.readline, b""):
+        if not line.endswith(b"\n"):
+            line += b"\n"
+        os.write(fd, prefix + line)
+
+
+def main() -> int:
+    if len(sys.argv) < 2:
+        print("usage: python -m hvdlite.runner.mpi_rank COMMAND [ARGS...]", file=sys.stderr)
+        return 2
+    rank = _rank()
+    proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            close_fds=False)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, _f: proc.send_signal(s))
+    pumps = [threading.Thread(target=_pump, args=(proc.stdout, 1, f"[{rank}]<stdout>:".encode())),
+             threading.Thread(target=_pump, args=(proc.stderr, 2, f"[{rank}]<stderr>:".encode()))]
+    for t in pumps:
+        t.start()
+    code = proc.wait()
+    for t in pumps:
+        t.join()
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
