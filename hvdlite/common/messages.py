@@ -13,6 +13,23 @@ AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT = 0, 1, 2, 3, 4, 5
 REDUCE_OP_NAMES = {AVERAGE: "Average", SUM: "Sum", ADASUM: "Adasum", MIN: "Min", MAX: "Max",
                    PRODUCT: "Product"}
 
+
+
+def handle_average_backwards_compatibility(op, average):
+    """Horovod's deprecated `average=` flag, mapped onto `op` (default Average)."""
+    if op is not None:
+        if average is not None:
+            raise ValueError("The op parameter supersedes average. Please provide only one of "
+                             "them.")
+        return op
+    if average is not None:
+        import warnings
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in "
+                      "v0.21.0", DeprecationWarning)
+        return AVERAGE if average else SUM
+    return AVERAGE
+
+
 # Request / response types.
 ALLREDUCE, ALLGATHER, BROADCAST, JOIN, ADASUM_OP, ALLTOALL, BARRIER, REDUCESCATTER = range(8)
 ADD_PROCESS_SET, REMOVE_PROCESS_SET, ERROR = 8, 9, 10

@@ -16,7 +16,6 @@ XLA cannot call Python: inside `jit_compile=True` every collective raises at tra
 from __future__ import annotations
 
 import threading
-import warnings
 import weakref
 
 import numpy as np
@@ -27,7 +26,8 @@ from ..common import basics as _basics
 from ..common.engine import Entry
 from ..common.exceptions import HorovodInternalError
 from ..common.messages import (ADASUM, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BARRIER,
-                               BROADCAST, JOIN, MAX, MIN, PRODUCT, REDUCESCATTER, SUM, Request)
+                               BROADCAST, JOIN, MAX, MIN, PRODUCT, REDUCESCATTER, SUM, Request,
+                               handle_average_backwards_compatibility)
 from ..common.process_sets import ProcessSet, global_process_set
 from .compression import Compression
 
@@ -48,19 +48,6 @@ _XLA_MESSAGE = (
     "without XLA: tf.function(..., jit_compile=False), or for Keras "
     "model.compile(..., jit_compile=False) (Keras 3 turns XLA on by default when a GPU is "
     "present, jit_compile='auto').")
-
-
-def handle_average_backwards_compatibility(op, average):
-    if op is not None:
-        if average is not None:
-            raise ValueError("The op parameter supersedes average. Please provide only one of "
-                             "them.")
-        return op
-    if average is not None:
-        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in "
-                      "v1.0", DeprecationWarning)
-        return Average if average else Sum
-    return Average
 
 
 def check_num_rank_power_of_2(num_rank: int) -> bool:

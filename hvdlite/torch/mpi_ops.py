@@ -5,7 +5,6 @@ This module only converts tensors and builds requests; every collective runs in 
 from __future__ import annotations
 
 import threading
-import warnings
 
 import torch
 
@@ -15,7 +14,8 @@ from ..common.collectives import DTYPE_NAMES
 from ..common.engine import Entry, Handle
 from ..common.exceptions import HorovodInternalError
 from ..common.messages import (ADASUM, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BARRIER,
-                               BROADCAST, JOIN, MAX, MIN, PRODUCT, REDUCESCATTER, SUM, Request)
+                               BROADCAST, JOIN, MAX, MIN, PRODUCT, REDUCESCATTER, SUM, Request,
+                               handle_average_backwards_compatibility)
 from ..common.process_sets import ProcessSet, global_process_set
 from .compression import Compression
 
@@ -29,17 +29,6 @@ _REDUCIBLE = {"uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
               "float64"}
 
 
-def handle_average_backwards_compatibility(op, average):
-    if op is not None:
-        if average is not None:
-            raise ValueError("The op parameter supersedes average. Please provide only one of "
-                             "them.")
-        return op
-    if average is not None:
-        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in "
-                      "v0.21.0", DeprecationWarning)
-        return Average if average else Sum
-    return Average
 
 
 def _dtype_name(tensor: torch.Tensor, reduce: bool) -> str:
