@@ -31,6 +31,36 @@ def _remove_hooks(handles) -> None:
         h.remove()
 
 
+def _named_parameters(param_groups, named_parameters):
+    """Validated (name, parameter) pairs sorted by name, and the prefix of their wire names.
+
+    Wire names are Horovod's: "allreduce.<name>" for user-named parameters (Horovod's C++ side
+    prefixed the op type); the default names already read "allreduce.noname.<g>.<i>".
+    """
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)
+        wire_prefix = "allreduce."
+    else:
+        named_parameters = [(f"allreduce.noname.{i}.{j}", v)
+                            for i, param_group in enumerate(param_groups)
+                            for j, v in enumerate(param_group["params"])]
+        wire_prefix = ""
+    if any(not isinstance(p, tuple) for p in named_parameters):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                         "usually produced by model.named_parameters().")
+    dups = _DistributedOptimizer.find_duplicates([k for k, _ in named_parameters])
+    if len(dups) > 0:
+        raise ValueError("Parameter names in named_parameters must be unique. "
+                         "Found duplicates: %s" % ", ".join(sorted(dups)))
+    all_param_ids = {id(v) for param_group in param_groups for v in param_group["params"]}
+    unnamed_param_ids = all_param_ids - {id(v) for _, v in named_parameters}
+    if len(unnamed_param_ids):
+        raise ValueError("named_parameters was specified, but one or more model parameters "
+                         "were not named. Python object ids: "
+                         "%s" % ", ".join(str(i) for i in unnamed_param_ids))
+    return sorted(named_parameters, key=lambda kv: kv[0]), wire_prefix
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods copied into the dynamic subclass; `_hvd_base` is the user's optimizer class."""
 
@@ -47,35 +77,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.defaults = dict(defaults)
         self._compression = compression
 
-        # Wire names are Horovod's: "allreduce.<name>" for user-named parameters (Horovod's C++
-        # side prefixed the op type); the default names already read "allreduce.noname.<g>.<i>".
-        if named_parameters is not None:
-            named_parameters = list(named_parameters)
-            wire_prefix = "allreduce."
-        else:
-            named_parameters = [(f"allreduce.noname.{i}.{j}", v)
-                                for i, param_group in enumerate(self.param_groups)
-                                for j, v in enumerate(param_group["params"])]
-            wire_prefix = ""
-        if any(not isinstance(p, tuple) for p in named_parameters):
-            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
-                             "usually produced by model.named_parameters().")
-
-        dups = _DistributedOptimizer.find_duplicates([k for k, _ in named_parameters])
-        if len(dups) > 0:
-            raise ValueError("Parameter names in named_parameters must be unique. "
-                             "Found duplicates: %s" % ", ".join(sorted(dups)))
-
-        all_param_ids = {id(v) for param_group in self.param_groups
-                         for v in param_group["params"]}
-        named_param_ids = {id(v) for _, v in named_parameters}
-        unnamed_param_ids = all_param_ids - named_param_ids
-        if len(unnamed_param_ids):
-            raise ValueError("named_parameters was specified, but one or more model parameters "
-                             "were not named. Python object ids: "
-                             "%s" % ", ".join(str(i) for i in unnamed_param_ids))
-
-        named_sorted = sorted(named_parameters, key=lambda kv: kv[0])
+        named_sorted, wire_prefix = _named_parameters(self.param_groups, named_parameters)
         self._parameter_names = {v: k for k, v in named_sorted}
         self._wire_names = {v: wire_prefix + k for k, v in named_sorted}
         self.backward_passes_per_step = backward_passes_per_step
@@ -367,30 +369,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
             self.defaults = dict(defaults)
         self._compression = compression
 
-        if named_parameters is not None:
-            named_parameters = list(named_parameters)
-            wire_prefix = "allreduce."
-        else:
-            named_parameters = [(f"allreduce.noname.{i}.{j}", v)
-                                for i, param_group in enumerate(self.param_groups)
-                                for j, v in enumerate(param_group["params"])]
-            wire_prefix = ""
-        if any(not isinstance(p, tuple) for p in named_parameters):
-            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
-                             "usually produced by model.named_parameters().")
-        dups = _DistributedOptimizer.find_duplicates([k for k, _ in named_parameters])
-        if len(dups) > 0:
-            raise ValueError("Parameter names in named_parameters must be unique. "
-                             "Found duplicates: %s" % ", ".join(sorted(dups)))
-        all_param_ids = {id(v) for param_group in self.param_groups
-                         for v in param_group["params"]}
-        unnamed_param_ids = all_param_ids - {id(v) for _, v in named_parameters}
-        if len(unnamed_param_ids):
-            raise ValueError("named_parameters was specified, but one or more model parameters "
-                             "were not named. Python object ids: "
-                             "%s" % ", ".join(str(i) for i in unnamed_param_ids))
-
-        named_sorted = sorted(named_parameters, key=lambda kv: kv[0])
+        named_sorted, wire_prefix = _named_parameters(self.param_groups, named_parameters)
         self._parameter_names = {v: k for k, v in named_sorted}
         self._wire_names = {v: wire_prefix + k for k, v in named_sorted}
         self.backward_passes_per_step = backward_passes_per_step
