@@ -11,9 +11,13 @@ for step in range(3):
     for h in hs:
         hvd.synchronize(h)
 hvd.broadcast(torch.ones(3), root_rank=0, name="bcast.w")
+# The coordinator on rank 0 records requests into whichever file is open when they arrive: a
+# barrier after each switch keeps the other ranks' next requests back until rank 0 has switched.
 hvd.start_timeline(sys.argv[1], mark_cycles=True)
+hvd.barrier()
 hvd.allgather(torch.ones(2, 2), name="gather.dynamic")
 hvd.stop_timeline()
+hvd.barrier()
 hvd.allreduce(torch.ones(2), name="after.stop")
 hvd.shutdown()
 print("OK")
