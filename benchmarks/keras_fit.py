@@ -199,12 +199,17 @@ def run_worker(args) -> None:
 
 # ---------------------------------------------------------------------- driver
 def launch(name: str, args) -> float:
+    root = ROOT
+    if name.endswith("@base"):
+        # The same configuration on another hvdlite tree (say, the last release), for a
+        # before/after comparison in the same alternation.
+        name, root = name[:-len("@base")], os.path.abspath(args.base_root)
     mode, ranks, threads = CONFIGS[name]
     worker = [sys.executable, os.path.abspath(__file__), "--worker", mode,
               "--threads", str(threads), "--steps", str(args.steps), "--warmup",
               str(args.warmup)]
     env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env["OMP_NUM_THREADS"] = str(threads)
     if ranks:
@@ -233,11 +238,15 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10, help="warm-up steps per run")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    p.add_argument("--base-root", default=None,
+                   help="another hvdlite tree: configs named NAME@base run on it")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.worker:
         return run_worker(args)
     names = args.configs.split(",")
+    if any(n.endswith("@base") for n in names) and not args.base_root:
+        raise SystemExit("configs NAME@base need --base-root")
     got: dict = {n: [] for n in names}
     print(f"Keras fit benchmark: MLP {'->'.join(map(str, SIZES))}, batch {BATCH}/rank, "
           f"{args.steps} timed steps, {args.rounds} alternating rounds; "
@@ -250,20 +259,21 @@ def main() -> None:
     med = {n: statistics.median(v) for n, v in got.items()}
     print(f"\nsamples/s over all ranks (median of {args.rounds}, min-max); "
           f"load after: {os.getloadavg()[0]:.2f}")
-    print(f"{'config':<11} {'median':>9} {'spread':>15}")
+    print(f"{'config':<15} {'median':>9} {'spread':>15}")
     for n in names:
-        print(f"{n:<11} {med[n]:>9,.0f} {spread(got[n]):>15}")
+        print(f"{n:<15} {med[n]:>9,.0f} {spread(got[n]):>15}")
     ratios = {}
     for a, b in (("keras_np2", "torch_np2"), ("tape_np2", "torch_np2"),
                  ("keras_np2", "plain_1t"), ("tape_np2", "plain_1t"),
                  ("keras_np2", "plain_2t"), ("tape_np2", "plain_2t"),
                  ("torch_np2", "plain_1t"), ("keras_np2", "keras_np1"),
-                 ("plain_2t", "plain_1t")):
+                 ("plain_2t", "plain_1t"), ("keras_np2", "keras_np2@base"),
+                 ("tape_np2", "tape_np2@base")):
         if a in med and b in med:
             # the ratio of medians, and its range over the rounds (each round's pair)
             per_round = [x / y for x, y in zip(got[a], got[b])]
             ratios[f"{a}/{b}"] = {"median": med[a] / med[b], "rounds": per_round}
-            print(f"{a + ' / ' + b:<24} {med[a] / med[b]:>5.2f}   "
+            print(f"{a + ' / ' + b:<30} {med[a] / med[b]:>5.2f}   "
                   f"(per round {min(per_round):.2f}-{max(per_round):.2f})")
     if args.json:
         with open(args.json, "w") as f:

@@ -26,3 +26,5 @@ if [ -x .venv/bin/mpiexec ]; then
   .venv/bin/mpiexec -n 2 "$PY" benchmarks/allreduce.py \
       --json "$OUT/allreduce_mpi.json" --plot "$OUT/allreduce_mpi.png"
 fi
+echo "== Keras model.fit / DistributedGradientTape / torch frontend / one plain process"
+"$PY" benchmarks/keras_fit.py --json "$OUT/keras_fit.json"
