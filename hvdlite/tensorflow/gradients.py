@@ -281,7 +281,9 @@ class GradientReducer:
         """An output buffer for the reduction named `name`: last step's, when nothing outside
         this reducer still uses it (TensorFlow has dropped the tensor that aliased it), else a
         new one. A fresh multi-megabyte buffer costs page faults on every step (measured: 15-20
-        ms for this benchmark's 15 MB of gradients, against 2-4 ms to refill a used one)."""
+        ms for this benchmark's 15 MB of gradients, against 2-4 ms to refill a used one).
+        Liveness is the storage's reference count: only views (what TensorFlow was given)
+        hold the storage besides the buffer itself."""
         buf = self._outputs.get(name)
         if (buf is None or buf.shape != t.shape or buf.dtype != t.dtype
                 or torch._C._storage_Use_Count(buf.untyped_storage()._cdata) > 2):
@@ -420,7 +422,10 @@ class _Plan:
                     v = v / tf.cast(len(ranks), v.dtype)
                 out += [v, ind]
             else:
-                out.extend(_ops._to_tf(t) for t in results)
+                # TensorFlow gets a view: the view holds a reference to the storage, which is
+                # what output_like() checks before reusing the buffer (the buffer itself is also
+                # referenced by the engine's bookkeeping, so its own count proves nothing).
+                out.extend(_ops._to_tf(t.view(t.shape)) for t in results)
         return out
 
 
