@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Optional
 
-from . import rendezvous
+from . import naming, rendezvous
 from .backends import mpi as mpi_backend
 from .backends import nccl as nccl_backend
 from .backends.gloo import GlooCommunicator
@@ -112,8 +112,7 @@ def init(comm=None, process_sets=None) -> None:
         if ident.round is not None:
             # Elastic round: a worker that joins now must name unnamed collectives as the
             # survivors do, so call-site counters restart with the round on every rank.
-            with _site_lock:
-                _site_counters.clear()
+            naming.reset()
         if world is None:
             store = rendezvous.connect_store(ident, settings.start_timeout_s)
         else:
@@ -327,6 +326,24 @@ def _resolve_set(process_set) -> int:
     return sid
 
 
+def find_process_set(ranks) -> Optional[ProcessSet]:
+    """The registered process set with exactly these global ranks (any order), or None."""
+    state = _require()
+    want = sorted(int(r) for r in ranks)
+    if want == list(range(state.size)):
+        return global_process_set
+    for sid in sorted(state.sets):
+        ps = state.sets[sid]
+        if ps.process_set_id is not None and ps.ranks is not None and sorted(ps.ranks) == want:
+            return ps
+    return None
+
+
+def dynamic_process_sets() -> bool:
+    """True when this job may add and remove process sets after init()."""
+    return _require().dynamic
+
+
 def add_process_set(process_set) -> ProcessSet:
     """Register a new process set on every rank (a collective: every rank must call it, in the
     same order, with the same ranks)."""
@@ -385,28 +402,9 @@ def stop_timeline() -> None:
         state.timeline.stop()
 
 
-# ---------------------------------------------------------------------- naming
-_site_counters: dict[tuple, int] = {}
-_site_lock = threading.Lock()
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def auto_name(op: str, set_id: int = 0) -> str:
-    """A name for an unnamed collective that is identical on every rank: the calling line in the
-    user's code plus how many times that line has run for this process set. (Horovod used a
-    global handle counter, which breaks as soon as ranks interleave calls differently.)"""
-    frame = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PKG_DIR):
-        frame = frame.f_back
-    if frame is None:
-        site = ("?", 0)
-    else:
-        site = (os.path.basename(frame.f_code.co_filename), frame.f_lineno)
-    key = (op, set_id) + site
-    with _site_lock:
-        n = _site_counters.get(key, 0)
-        _site_counters[key] = n + 1
-    return f"{op}.noname.{site[0]}:{site[1]}.{n}"
+    """Kept for compatibility: see `naming.auto_name`."""
+    return naming.auto_name(op, set_id)
 
 
 # ---------------------------------------------------------------------- build info

@@ -61,28 +61,62 @@ class Handle:
             finished = self._pending <= 0
         if finished and not self._event.is_set():
             self._event.set()
+            self._fire()
 
     def _fail(self, error: str) -> None:
         with self._lock:
             if self.error is None:
                 self.error = error
             self._pending = 0
+            fire = not self._event.is_set()
         self._event.set()
+        if fire:
+            self._fire()
 
-    def wait(self, alive: Callable[[], bool] | None = None) -> list:
-        """Results of every entry, in order; raises HorovodInternalError on failure."""
-        while not self._event.wait(1.0):
+    def _fire(self) -> None:
+        """Run the completion callbacks (on the engine's thread that completed the handle)."""
+        with self._lock:
+            callbacks, self.callbacks = self.callbacks, []
+        for cb in callbacks:
+            try:
+                cb()
+            except Exception:  # a user's callback must not kill the engine's threads
+                log.exception("hvdlite: a completion callback raised")
+
+    def add_callback(self, cb: Callable[[], None]) -> None:
+        """Call `cb()` once the handle completes (at once if it already has)."""
+        with self._lock:
+            if not self._event.is_set():
+                self.callbacks.append(cb)
+                return
+        cb()
+
+    def wait(self, alive: Callable[[], bool] | None = None,
+             timeout: float | None = None) -> list:
+        """Results of every entry, in order; raises HorovodInternalError on failure, and
+        TimeoutError (leaving the handle usable) when `timeout` seconds pass first."""
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        while True:
+            step = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
+            if self._event.wait(step):
+                break
             if alive is not None and not alive():
                 if not self._event.is_set():
                     raise HorovodInternalError(
                         "the hvdlite background thread stopped before this collective finished; "
                         "see the errors above")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"collective {self.names()} did not finish within "
+                                   f"{timeout:g} s")
         release, self._release = self._release, None
         if release is not None:
             release()
         if self.error is not None:
             raise HorovodInternalError(self.error)
         return [e.result for e in self.entries]
+
+    def names(self) -> list:
+        return [e.request.name for e in self.entries[:4]]
 
 
 @dataclass(slots=True)
