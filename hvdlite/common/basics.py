@@ -24,6 +24,7 @@ from .engine import Engine, Entry, Handle
 from .exceptions import HorovodInternalError
 from .messages import ADD_PROCESS_SET, REMOVE_PROCESS_SET, Request
 from .process_sets import ProcessSet, global_process_set
+from .protocol import Msg
 from .timeline import Timeline
 from .wire import Channel
 
@@ -138,7 +139,7 @@ def init(comm=None, process_sets=None) -> None:
             host, port = _share_address(ident, store, prefix, port, settings)
         sock = _connect(host, int(port), deadline)
         channel = Channel(sock, key)
-        channel.send(("H", {"rank": ident.rank, "size": ident.size, "hostname": ident.hostname,
+        channel.send((Msg.HELLO, {"rank": ident.rank, "size": ident.size, "hostname": ident.hostname,
                             "pid": os.getpid(), "dynamic": dynamic,
                             "process_sets": [ps.ranks for ps in static]}))
         try:
@@ -148,7 +149,7 @@ def init(comm=None, process_sets=None) -> None:
             if state.coordinator is not None:
                 state.coordinator.stop()
             raise HorovodInternalError(f"rank {ident.rank} could not join the job: {exc}") from exc
-        if reply[0] == "F":
+        if reply[0] == Msg.FATAL:
             channel.close()
             if state.coordinator is not None:
                 state.coordinator.stop()

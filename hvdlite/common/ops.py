@@ -95,12 +95,14 @@ def _submit(entries: list, post: Callable[[list], Any] = list) -> Handle:
 
 
 # ---------------------------------------------------------------------- checks and naming
-def set_id(process_set: Optional[ProcessSet]) -> int:
-    """The registered id of `process_set` (None: the global set)."""
+def set_id(process_set: Union[ProcessSet, int, None]) -> int:
+    """The registered id of `process_set` (None: the global set; an int: already an id)."""
+    if isinstance(process_set, int):
+        return process_set
     return _basics._resolve_set(process_set if process_set is not None else global_process_set)
 
 
-def set_ranks(process_set: Optional[ProcessSet]) -> list:
+def set_ranks(process_set: Union[ProcessSet, int, None]) -> list:
     """The global ranks of a registered process set."""
     return _basics._set_ranks(set_id(process_set))
 
