@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from . import collectives
 from .exceptions import HorovodInternalError
-from .backends.local import DONE
+from .backends.base import DONE
 from .messages import (ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER,
                        BROADCAST, ERROR, JOIN, REDUCESCATTER, REMOVE_PROCESS_SET, TYPE_NAMES,
                        Request, Response)

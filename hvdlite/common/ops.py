@@ -22,8 +22,9 @@ from . import basics as _basics
 from . import naming
 from .collectives import DTYPE_NAMES
 from .engine import Entry
-from .messages import (ADASUM, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BARRIER, BROADCAST, JOIN,
-                       MAX, MIN, PRODUCT, REDUCESCATTER, SUM, Request)
+from .messages import (ADASUM, ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BARRIER,
+                       BROADCAST, JOIN, MAX, MIN, PRODUCT, REDUCESCATTER, REMOVE_PROCESS_SET,
+                       SUM, Request)
 from .process_sets import ProcessSet, global_process_set
 
 Buffer = torch.Tensor
@@ -275,6 +276,14 @@ def barrier(process_set=None) -> Handle:
     req = Request(rank=_basics.rank(), name=f"barrier.{n}", type=BARRIER, process_set_id=sid,
                   cacheable=False)
     return _submit([Entry(req)], lambda res: None)
+
+
+def process_set_change(name: str, extra, add: bool) -> Handle:
+    """Register (`extra`: the ranks) or remove (`extra`: the set id) a process set on every rank:
+    a collective over the whole job. Result: the set id."""
+    req = Request(rank=_basics.rank(), name=name, type=ADD_PROCESS_SET if add
+                  else REMOVE_PROCESS_SET, extra=extra, cacheable=False)
+    return _submit([Entry(req)], _first)
 
 
 def reset() -> None:
