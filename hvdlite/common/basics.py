@@ -275,16 +275,6 @@ def engine() -> Engine:
 
 
 # ---------------------------------------------------------------------- process sets
-def _resolve_set(process_set) -> int:
-    if process_set is None:
-        return 0
-    sid = process_set.process_set_id
-    if sid is None:
-        raise ValueError(f"{process_set} is not registered: pass it to init(process_sets=...) or "
-                         f"add_process_set() first")
-    return sid
-
-
 def find_process_set(ranks) -> Optional[ProcessSet]:
     """The registered process set with exactly these global ranks (any order), or None."""
     state = _require()

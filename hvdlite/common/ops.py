@@ -89,8 +89,16 @@ def _first(results: list) -> Any:
     return results[0]
 
 
+def _state():
+    # The module attribute, not basics' accessors: a collective's path stays in this file.
+    state = _basics._state
+    if state is None:
+        raise ValueError(_basics.NOT_INITIALIZED)
+    return state
+
+
 def _submit(entries: list, post: Callable[[list], Any] = list) -> Handle:
-    state = _basics._require()
+    state = _state()
     inner = state.engine.enqueue(entries)
     return Handle(inner, post, state.engine.alive)
 
@@ -100,7 +108,13 @@ def set_id(process_set: Union[ProcessSet, int, None]) -> int:
     """The registered id of `process_set` (None: the global set; an int: already an id)."""
     if isinstance(process_set, int):
         return process_set
-    return _basics._resolve_set(process_set if process_set is not None else global_process_set)
+    if process_set is None:
+        return 0
+    sid = process_set.process_set_id
+    if sid is None:
+        raise ValueError(f"{process_set} is not registered: pass it to init(process_sets=...) or "
+                         f"add_process_set() first")
+    return sid
 
 
 def set_ranks(process_set: Union[ProcessSet, int, None]) -> list:
@@ -174,7 +188,7 @@ def _requests(kind: str, rtype: int, buffers: Sequence[Buffer], names: Names, pr
     wire, base = resolve_names(kind, names, n, sid, group)
     gname, gsize = _group(group, base, n)
     cache = (names is not None) if cacheable is None else bool(cacheable)
-    me = _basics.rank()
+    me = _state().rank
     return [Request(rank=me, name=nm, type=rtype, dtype=dtype_name(b, reduce),
                     shape=tuple(b.shape),
                     device=b.device.index if b.device.type == "cuda" else -1,

@@ -10,8 +10,8 @@
      |<------------------------------- FATAL message |     every pending handle fails
 
 The payloads are `messages.Request` and `messages.Response`. Members are `str` values, so a
-member compares equal to its one- or two-letter tag and pickles as that plain string (the wire
-format is unchanged, and small).
+member compares equal to its one- or two-letter tag (a peer that sends the bare tag is
+understood).
 """
 from __future__ import annotations
 
@@ -19,9 +19,6 @@ import enum
 
 
 class _Tag(str, enum.Enum):
-    def __reduce_ex__(self, protocol):  # on the wire: the bare tag string
-        return str, (self.value,)
-
     def __str__(self) -> str:
         return self.value
 
