@@ -1,8 +1,10 @@
 """Reduce a step's gradients over the ranks: the shared core of `DistributedGradientTape`, the TF1
 `DistributedOptimizer` and the Keras `DistributedOptimizer`.
 
-All gradients of one call go to the engine in ONE submission (one graph node), so they are
-negotiated together and fused into as few transport calls as the fusion threshold allows. Dense
+Executing eagerly, all gradients of one call go to the engine in one submission. In a graph
+(`tf.function`, Keras `model.fit`) each gradient leaves in its own small node as soon as backprop
+has produced it, and one node per step waits for all of them: the transfers overlap the rest of
+the backward pass and the engine still fuses what is queued together. Dense
 gradients are allreduced (optionally compressed, optionally in explicit groups); `tf.IndexedSlices`
 (embedding gradients) are allgathered as values + indices, as in Horovod.
 """
@@ -10,14 +12,13 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 
 import tensorflow as tf
 import torch
 
 from ..common import basics as _basics
-from ..common.engine import Entry
-from ..common.messages import ALLGATHER, ALLREDUCE
+from ..common import naming as _naming
+from ..common import ops as _cops
 from . import mpi_ops as _ops
 from .compression import Compression
 from .mpi_ops import Adasum, Average, Max, Min, Product, Sum, global_process_set
@@ -42,32 +43,10 @@ def var_ref(v):
     return id(v)
 
 
-_SKIP_DIRS = None
-
-
-def _skip_dirs() -> tuple:
-    global _SKIP_DIRS
-    if _SKIP_DIRS is None:
-        dirs = [os.path.dirname(os.path.dirname(os.path.abspath(_basics.__file__)))]
-        for mod in ("tensorflow", "keras", "tf_keras"):
-            m = sys.modules.get(mod)
-            f = getattr(m, "__file__", None) if m is not None else None
-            if f:
-                dirs.append(os.path.dirname(os.path.abspath(f)))
-        _SKIP_DIRS = tuple(dirs)
-    return _SKIP_DIRS
-
-
 def call_site() -> str:
     """The user's line that led here (outside hvdlite, TensorFlow and Keras): identical on every
     rank and on every step, so it makes a stable name for eager gradient reductions."""
-    frame = sys._getframe(1)
-    skip = _skip_dirs()
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
-        frame = frame.f_back
-    if frame is None:
-        return "unknown"
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    return _naming.framework_site()
 
 
 def check_reduce_args(op, gradient_predivide_factor, num_groups, groups):
@@ -374,24 +353,19 @@ class _Plan:
         if self.skipped():
             return None, list(xs)
         r = self.reducer
-        entries = []
+        bufs = [_ops._to_torch(x) for x in xs]
         if is_sparse:
             i = members[0]
-            for part, x in (("values", xs[0]), ("indices", xs[1])):
-                t = _ops._to_torch(x)
-                req = _ops._request(t, f"{self.base}.grad_{i}.{part}", ALLGATHER, self.set_id,
-                                    _ops._DTYPE_NAMES[x.dtype], cacheable=self.cacheable)
-                entries.append(Entry(req, t))
+            handle = _cops.allgather(bufs, names=[f"{self.base}.grad_{i}.values",
+                                                  f"{self.base}.grad_{i}.indices"],
+                                     process_set=self.set_id, cacheable=self.cacheable)
         else:
-            for i, x in zip(members, xs):
-                t = _ops._to_torch(x)
-                name = f"{self.base}.grad_{i}"
-                req = _ops._request(t, name, ALLREDUCE, self.set_id, _ops._DTYPE_NAMES[x.dtype],
-                                    reduce_op=r.op, prescale=r.prescale, postscale=r.postscale,
-                                    cacheable=self.cacheable, group=gname,
-                                    group_size=len(members) if gname else 0)
-                entries.append(Entry(req, t, r.output_like(name, t)))
-        return _basics.submit(entries), list(xs)
+            names = [f"{self.base}.grad_{i}" for i in members]
+            handle = _cops.allreduce(bufs, names=names, op=r.op, prescale=r.prescale,
+                                     postscale=r.postscale, process_set=self.set_id,
+                                     group=gname, cacheable=self.cacheable,
+                                     outputs=[r.output_like(n, b) for n, b in zip(names, bufs)])
+        return handle, list(xs)
 
     def submit_token(self, unit, xs) -> int:
         token = next(_tokens)
@@ -414,7 +388,7 @@ class _Plan:
             if handle is None:
                 out.extend(xs)
                 continue
-            results = _basics.wait(handle)
+            results = handle.wait()
             if is_sparse:
                 v, ind = _ops._to_tf(results[0]), _ops._to_tf(results[1])
                 if self.reducer.op == Average:
