@@ -28,3 +28,22 @@ def assign_ranks(node_ids: list[str]) -> list[tuple[int, SlotInfo]]:
                                         local_size=len(members), cross_size=len(peers))))
             rank += 1
     return out
+
+
+def slots_in_order(node_ids: list[str]) -> list[SlotInfo]:
+    """Coordinates for ranks 0..n-1 placed on `node_ids` (rank -> node) as they are, for when
+    the ranks are given (Ray Train's world ranks): local ranks count a node's ranks in rank order,
+    nodes are ordered by their lowest rank (as the coordinator orders them)."""
+    by_node: dict[str, list[int]] = {}
+    for rank, node in enumerate(node_ids):
+        by_node.setdefault(node, []).append(rank)
+    nodes = list(by_node)
+    out = []
+    for rank, node in enumerate(node_ids):
+        members = by_node[node]
+        local_rank = members.index(rank)
+        peers = [n for n in nodes if len(by_node[n]) > local_rank]
+        out.append(SlotInfo(hostname=node, rank=rank, local_rank=local_rank,
+                            cross_rank=peers.index(node), size=len(node_ids),
+                            local_size=len(members), cross_size=len(peers)))
+    return out
