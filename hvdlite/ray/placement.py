@@ -46,7 +46,8 @@ def free_text() -> str:
         free = per_node.get(n["NodeID"], {})
         parts.append(f"node {n['NodeID'][:8]} ({n['NodeManagerAddress']}): "
                      f"{resources_text(free)} free of {resources_text(n.get('Resources', {}))}")
-    return f"{len(nodes)} alive nodes: " + "; ".join(parts)
+    total = resources_text(ray.available_resources())
+    return f"free in all: {total}; {len(nodes)} alive nodes: " + "; ".join(parts)
 
 
 def make_placement_group(bundles: list[dict[str, float]], strategy: str, timeout_s: float,
