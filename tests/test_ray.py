@@ -292,26 +292,6 @@ def test_elastic_node_removed_then_added(cluster, tmp_path):
             c.remove_node(node)
 
 
-def _train_loop(config: dict) -> None:
-    import tempfile
-
-    import ray.train
-
-    import hvdlite.torch as hvd
-    import ray_jobs
-
-    hvd.init()
-    ctx = ray.train.get_context()
-    assert hvd.rank() == ctx.get_world_rank() and hvd.size() == ctx.get_world_size()
-    weights = ray_jobs.train(config["steps"])
-    with tempfile.TemporaryDirectory() as d:
-        checkpoint = None
-        if hvd.rank() == 0:
-            torch.save(weights, os.path.join(d, "weights.pt"))
-            checkpoint = ray.train.Checkpoint.from_directory(d)
-        ray.train.report({"rank": hvd.rank(), "size": hvd.size()}, checkpoint=checkpoint)
-
-
 def test_ray_train_data_parallel_trainer(cluster, tmp_path):
     from ray.train import RunConfig, ScalingConfig
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
@@ -319,7 +299,7 @@ def test_ray_train_data_parallel_trainer(cluster, tmp_path):
     from hvdlite.ray import HvdliteConfig
 
     trainer = DataParallelTrainer(
-        _train_loop, train_loop_config={"steps": 3},
+        ray_jobs.train_loop, train_loop_config={"steps": 3},
         backend_config=HvdliteConfig(timeout_s=60),
         scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1, "w": 1}),
         run_config=RunConfig(storage_path=str(tmp_path), name="hvdlite_train"))

@@ -112,3 +112,23 @@ def elastic_job() -> dict | None:
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
     return None
+
+
+def train_loop(config: dict) -> None:
+    """A Ray Train loop written for hvdlite.torch: reports metrics and a checkpoint."""
+    import tempfile
+
+    import ray.train
+
+    import hvdlite.torch as hvd
+
+    hvd.init()
+    ctx = ray.train.get_context()
+    assert hvd.rank() == ctx.get_world_rank() and hvd.size() == ctx.get_world_size()
+    weights = train(config["steps"])
+    with tempfile.TemporaryDirectory() as d:
+        checkpoint = None
+        if hvd.rank() == 0:
+            torch.save(weights, os.path.join(d, "weights.pt"))
+            checkpoint = ray.train.Checkpoint.from_directory(d)
+        ray.train.report({"rank": hvd.rank(), "size": hvd.size()}, checkpoint=checkpoint)
