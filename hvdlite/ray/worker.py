@@ -88,4 +88,13 @@ class HvdliteWorker:
         every `hvd.init()` (hvdlite/common/rendezvous.py)."""
         os.environ.update({k: str(v) for k, v in env.items()})
         self.where = {"rank": None, "node": _node_id()}
-        return _outcome_of(lambda: fn(*args, **kwargs), self.where)
+        outcome = _outcome_of(lambda: fn(*args, **kwargs), self.where)
+        # Under hvdlite-run the process would exit now. The actor lives on until the driver ends
+        # it, so its link to the driver must not take the driver's closing for a lost driver.
+        from hvdlite.common import rendezvous
+
+        link = rendezvous._link
+        if link is not None:
+            with link._cond:
+                link._reply = ("X", "the worker's function returned")
+        return outcome
