@@ -278,7 +278,8 @@ class RayExecutor:
 
     def run(self, fn: Callable[..., Any], args: Optional[Sequence[Any]] = None,
             kwargs: Optional[dict] = None, callbacks: Optional[list[Callable]] = None) -> list[Any]:
-        """`fn(*args, **kwargs)` on every worker; the results in rank order."""
+        """`fn(*args, **kwargs)` on every worker; the results in rank order. `callbacks` is
+        accepted for Horovod's signature; worker output goes through Ray's log."""
         args, kwargs = list(args or ()), dict(kwargs or {})
         if self.elastic:
             from hvdlite.ray.elastic import run_elastic_job
@@ -289,8 +290,10 @@ class RayExecutor:
         self._require_started()
         return self._gather([w.run.remote(fn, args, kwargs) for w in self.workers])
 
-    def execute(self, fn: Callable[[Any], Any]) -> list[Any]:
-        """`fn(executable)` on every worker (the object `start(executable_cls)` built there)."""
+    def execute(self, fn: Callable[[Any], Any],
+                callbacks: Optional[list[Callable]] = None) -> list[Any]:
+        """`fn(executable)` on every worker (the object `start(executable_cls)` built there).
+        `callbacks` is accepted for Horovod's signature; worker output goes through Ray's log."""
         self._require_started()
         return self._gather([w.execute.remote(fn) for w in self.workers])
 
