@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import torch
 
+from .powersgd import PowerSGDCompressor
+from .quantize import Int8Compressor
+from .stateful_compression import StatefulCompressor, drive_all, is_stateful
+
 
 class Compressor:
     """Interface for compressing and decompressing a given tensor."""
@@ -52,3 +56,7 @@ class Compression:
 
     none = NoneCompressor
     fp16 = FP16Compressor
+    # Stateful (per-tensor residuals/factors, their own collectives): pass the class for the
+    # defaults or an instance, e.g. Compression.powersgd(rank=2). One instance per optimizer.
+    int8 = Int8Compressor
+    powersgd = PowerSGDCompressor
