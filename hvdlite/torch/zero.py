@@ -463,6 +463,12 @@ class ZeroOptimizer:
                                      f"{tuple(p.shape)}; the state dict belongs to a different "
                                      f"model")
 
+    def load_local_state_dict(self, state_dict: dict) -> None:
+        """Load this rank's own shard (from `local_state_dict()`), no filtering."""
+        self._handles = {}
+        self._synchronized = False
+        self._hvd_base.load_state_dict(self, state_dict)
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a full (consolidated) state dict, keeping only this rank's shard."""
         self._check_shapes(state_dict)
