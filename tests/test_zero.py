@@ -68,3 +68,10 @@ def test_elastic_sharded_optimizer_resized_3_to_2(tmp_path, jobs):  # noqa: F811
     assert result["momentum"] == momentum
     assert result["size"] == 2 and result["reset_sizes"] == [2]
     assert job.leftovers() == []
+
+
+@pytest.mark.timeout(300)
+def test_keras_distributed_optimizer_int8_and_powersgd():
+    pytest.importorskip("tensorflow")
+    out = hvdlite_run("tf_keras_compression.py", np=2, timeout=280).stdout
+    _all_ranks_finished(out, 2)
