@@ -96,6 +96,7 @@ def init(comm=None, process_sets=None) -> None:
                 if not isinstance(ps, ProcessSet) or ps.ranks is None:
                     raise ValueError("init(process_sets=...) takes a list of ProcessSet built "
                                      "from rank lists, or 'dynamic'")
+            _check_distinct_sets(static)
         transport = _choose_transport(comm)
         # Under mpirun (or with init(comm=...)) ranks meet over MPI, whatever the transport.
         world = mpi_backend.world(comm) if (transport == "mpi" or mpi_backend.started_by_mpi()) \
@@ -317,14 +318,16 @@ def wait(handle: Handle) -> list:
 
 
 # ---------------------------------------------------------------------- process sets
-def _resolve_set(process_set) -> int:
-    if process_set is None:
-        return 0
-    sid = process_set.process_set_id
-    if sid is None:
-        raise ValueError(f"{process_set} is not registered: pass it to init(process_sets=...) or "
-                         f"add_process_set() first")
-    return sid
+def _check_distinct_sets(sets: list) -> None:
+    """Horovod refuses the same ranks twice in init(process_sets=...), on every rank (the
+    list is the same everywhere, so every rank decides alike without communicating)."""
+    seen: dict = {}
+    for i, ps in enumerate(sets):
+        key = tuple(ps.ranks)
+        if key in seen:
+            raise ValueError(f"init(process_sets=...): process sets {seen[key]} and {i} both hold "
+                             f"ranks {list(key)}; pass each process set once")
+        seen[key] = i
 
 
 def add_process_set(process_set) -> ProcessSet:

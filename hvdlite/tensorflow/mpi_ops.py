@@ -23,12 +23,14 @@ import tensorflow as tf
 import torch
 
 from ..common import basics as _basics
+from ..common import validation as _validation
 from ..common.engine import Entry
 from ..common.exceptions import HorovodInternalError
 from ..common.messages import (ADASUM, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BARRIER,
                                BROADCAST, JOIN, MAX, MIN, PRODUCT, REDUCESCATTER, SUM, Request,
                                handle_average_backwards_compatibility)
 from ..common.process_sets import ProcessSet, global_process_set
+from . import errors as _errors
 from .compression import Compression
 
 Average, Sum, Adasum, Min, Max, Product = AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT
@@ -189,7 +191,7 @@ def _run(what: str, fn, inputs: list, tout: list, shapes: list) -> list:
     """Run `fn` (eager tensors in, list of eager tensors out) now, or add it to the graph that is
     being built as a node that runs it every time the graph runs."""
     if tf.executing_eagerly():
-        return list(fn(*inputs))
+        return _errors.call_eager(fn, inputs)
     graph = tf.compat.v1.get_default_graph()
     if _in_xla(graph):
         raise ValueError(_XLA_MESSAGE.format(what=what))
@@ -203,8 +205,10 @@ def _run(what: str, fn, inputs: list, tout: list, shapes: list) -> list:
         if last is not None:
             deps = [last]
     with tf.control_dependencies(deps):
-        outs = tf.py_function(fn, list(inputs), list(tout), name=what)
+        outs = tf.py_function(_errors.guard_graph_fn(fn, list(tout), list(shapes)),
+                              list(inputs), list(tout) + [tf.int32], name=what)
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    outs = _errors.check_graph_outputs(what, outs)
     for o, s in zip(outs, shapes):
         o.set_shape(s)
     if chain and outs:
@@ -276,7 +280,8 @@ def _rt_alltoall(x, splits, name, set_id):
     t = _to_torch(x)
     split_list = None
     if splits is not None:
-        split_list = tuple(int(s) for s in np.asarray(splits.numpy()).reshape(-1).tolist())
+        split_list = np.asarray(splits.numpy()).reshape(-1).tolist()
+    split_list = _validation.alltoall_splits(split_list, int(t.shape[0]), _set_size(set_id))
     req = _request(t, name, ALLTOALL, set_id, _DTYPE_NAMES[x.dtype], splits=split_list,
                    cacheable=False)
     entry = Entry(req, t)
@@ -385,15 +390,15 @@ def _sparse_allreduce(slices, op, name, process_set, ignore_name_scope, prescale
 
 def _sparse_allreduce_named(values, indices, wire, cacheable, op, set_id):
     def fn(v, i):
-        gv, gi = _rt_allgather([v, i], [f"{wire}.values", f"{wire}.indices"], set_id,
-                               cacheable)
-        if op == Average:
-            gv = gv / tf.cast(_set_size(set_id), gv.dtype)
-        return [gv, gi]
+        return _rt_allgather([v, i], [f"{wire}.values", f"{wire}.indices"], set_id, cacheable)
 
     vshape = tf.TensorShape([None]).concatenate(values.shape[1:])
-    return _run("HorovodSparseAllreduce", fn, [values, indices], [values.dtype, indices.dtype],
-                [vshape, tf.TensorShape([None])])
+    gv, gi = _run("HorovodSparseAllreduce", fn, [values, indices], [values.dtype, indices.dtype],
+                  [vshape, tf.TensorShape([None])])
+    if op == Average:
+        # Horovod divides with TensorFlow's `/`: integer values become floating (true division).
+        gv = gv / tf.cast(size_op(set_id), gv.dtype)
+    return gv, gi
 
 
 # ---------------------------------------------------------------------- allgather
@@ -597,6 +602,17 @@ def broadcast_group(tensors, root_rank, name=None, process_set=global_process_se
 
 
 # ---------------------------------------------------------------------- alltoall
+def _alltoall_splits_tensor(splits):
+    """Horovod converts splits with tf.convert_to_tensor(splits, dtype=tf.int32): lists of ints
+    and int32 tensors pass; a tensor of another dtype (int64, float) raises there."""
+    if isinstance(splits, (tf.Tensor, tf.Variable)) and splits.dtype != tf.int32:
+        raise ValueError(f"alltoall: splits must be int32 (Horovod's op takes int32 splits), "
+                         f"got {splits.dtype.name}; pass tf.cast(splits, tf.int32)")
+    if isinstance(splits, np.ndarray) and splits.dtype.kind not in "iu":
+        raise ValueError(f"alltoall: splits must be integers, got a {splits.dtype} array")
+    return tf.convert_to_tensor(splits, dtype=tf.int32)
+
+
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
              process_set=global_process_set):
     """Send rows `splits[i]` of `tensor` to rank i of the set and gather what every rank sent
@@ -607,9 +623,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     tensor, restore = _movable(tensor, "alltoall")
     splits_t = None
     if splits is not None:
-        splits_t = tf.convert_to_tensor(splits)
-        if not splits_t.dtype.is_integer:
-            raise ValueError(f"alltoall splits must be integers, got {splits_t.dtype.name}")
+        splits_t = _alltoall_splits_tensor(splits)
     set_id = _set_id(process_set)
     _check_graph("hvd.alltoall")
     wire, _ = _wire_name("Alltoall", name, ignore_name_scope, set_id)

@@ -10,6 +10,7 @@ import torch
 
 from ..common import adasum as _adasum
 from ..common import basics as _basics
+from ..common import validation as _validation
 from ..common.collectives import DTYPE_NAMES
 from ..common.engine import Entry, Handle
 from ..common.exceptions import HorovodInternalError
@@ -371,16 +372,27 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 
 
 # ---------------------------------------------------------------------- alltoall
+def _alltoall_splits(tensor, splits, process_set):
+    """Horovod's enqueue-time checks of alltoall splits (ValueError before anything is sent).
+    Horovod reads splits as int32: a tensor of another dtype is refused, not reinterpreted."""
+    if splits is not None:
+        if isinstance(splits, torch.Tensor):
+            if splits.dtype != torch.int32:
+                raise ValueError(f"alltoall: splits must be an int32 tensor (or a list of ints), "
+                                 f"got a {splits.dtype} tensor; pass "
+                                 f"splits.to(torch.int32)")
+            splits = splits.reshape(-1).tolist()
+        else:
+            splits = torch.tensor(splits, dtype=torch.int32).reshape(-1).tolist()
+    size = len(_basics._set_ranks(_set_id(process_set)))
+    return _validation.alltoall_splits(splits, int(tensor.shape[0]), size)
+
+
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
     """Asynchronous alltoall: rows splits[i] of `tensor` go to rank i of the set."""
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension")
-    split_list = None
-    if splits is not None:
-        if isinstance(splits, torch.Tensor):
-            split_list = tuple(int(s) for s in splits.reshape(-1).tolist())
-        else:
-            split_list = tuple(int(s) for s in splits)
+    split_list = _alltoall_splits(tensor, splits, process_set)
     name = name or _basics.auto_name("alltoall", _set_id(process_set))
     req = _request(tensor, name, ALLTOALL, process_set, splits=split_list, cacheable=False)
     entry = Entry(req, tensor.detach().contiguous())
@@ -420,10 +432,16 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
 
 # ---------------------------------------------------------------------- reducescatter
-def _reducescatter_async(tensors, name, op, process_set, prescale_factor, postscale_factor,
-                         grouped: bool) -> int:
+def _check_reducescatter_op(op) -> None:
+    if op == Adasum:  # Horovod: RuntimeError, as its core refuses the op
+        raise RuntimeError("reducescatter does not support op=Adasum; use Average or Sum")
     if op not in (Average, Sum, Min, Max, Product):
         raise ValueError("reducescatter supports op Average, Sum, Min, Max or Product")
+
+
+def _reducescatter_async(tensors, name, op, process_set, prescale_factor, postscale_factor,
+                         grouped: bool) -> int:
+    _check_reducescatter_op(op)
     auto = name is None
     base = _basics.auto_name("reducescatter", _set_id(process_set)) if auto else name
     n = len(tensors)
