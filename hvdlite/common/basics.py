@@ -330,6 +330,16 @@ def _check_distinct_sets(sets: list) -> None:
         seen[key] = i
 
 
+def _resolve_set(process_set) -> int:
+    if process_set is None:
+        return 0
+    sid = process_set.process_set_id
+    if sid is None:
+        raise ValueError(f"{process_set} is not registered: pass it to init(process_sets=...) or "
+                         f"add_process_set() first")
+    return sid
+
+
 def add_process_set(process_set) -> ProcessSet:
     """Register a new process set on every rank (a collective: every rank must call it, in the
     same order, with the same ranks)."""

@@ -80,14 +80,33 @@ def last_error() -> str | None:
 
 
 def _placeholder(dtype, shape):
-    dims = [0 if d is None else d for d in tf.TensorShape(shape).as_list()] \
-        if tf.TensorShape(shape).rank is not None else [0]
+    shape = tf.TensorShape(shape)
+    dims = [0 if d is None else d for d in shape.as_list()] if shape.rank is not None else [0]
     return tf.zeros(dims, dtype=dtype)
 
 
+_ok_variable: list = []
+
+
+def _status_handle(message: str | None):
+    """A resource handle whose read fails with FailedPreconditionError naming `message`
+    (a variable that does not exist), or, for None, the handle of a real variable."""
+    if message is None:
+        if not _ok_variable:
+            with tf.init_scope():
+                _ok_variable.append(tf.Variable(0, dtype=tf.int32, trainable=False,
+                                                name="hvdlite_ok"))
+        return _ok_variable[0].handle
+    text = " ".join(message.split())
+    return tf.raw_ops.VarHandleOp(dtype=tf.int32, shape=[], container="hvdlite",
+                                  shared_name=f"hvdlite: {text}")
+
+
 def guard_graph_fn(fn, tout: list, shapes: list):
-    """`fn` for a graph node: on a mismatch it returns placeholders and a set flag (its last
-    output, int32) instead of raising; ValueError/TypeError propagate (InvalidArgumentError)."""
+    """`fn` for a graph node, with one more output: a status handle (see check_graph_outputs).
+    On a cross-rank mismatch it returns placeholders and a failing status instead of raising
+    (py_function would turn any raise but ValueError/TypeError into UnknownError);
+    ValueError/TypeError propagate (InvalidArgumentError)."""
     def guarded(*xs):
         try:
             outs = list(fn(*xs))
@@ -95,32 +114,25 @@ def guard_graph_fn(fn, tout: list, shapes: list):
             _last.message = _last_any[0] = str(exc)
             log.error("hvdlite collective failed (tf.errors.FailedPreconditionError): %s", exc)
             return [_placeholder(d, s) for d, s in zip(tout, shapes)] + \
-                [tf.constant(1, dtype=tf.int32)]
-        return outs + [tf.constant(0, dtype=tf.int32)]
+                [_status_handle(str(exc))]
+        return outs + [_status_handle(None)]
     return guarded
 
 
-def _failed_precondition(what: str):
-    # No TensorFlow op raises FailedPrecondition with a runtime message; reading a variable
-    # that does not exist raises it with a message naming the variable, so the name carries
-    # the explanation.
-    handle = tf.raw_ops.VarHandleOp(
-        dtype=tf.int32, shape=[], container="hvdlite",
-        shared_name=f"{what}: the ranks disagreed about this collective (the error message "
-                    f"is logged above on every rank; hvdlite.tensorflow.errors.last_error())")
-    return tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.int32)
+def status_dtype():
+    return tf.resource
 
 
 def check_graph_outputs(what: str, outs: list) -> list:
-    """Graph outputs of a guarded node (last one: the flag) -> its real outputs, which depend
-    on a check that raises FailedPreconditionError when the flag is set."""
-    flag, outs = outs[-1], outs[:-1]
-    with tf.device("/cpu:0"):
-        check = tf.cond(flag > 0, lambda: _failed_precondition(what),
-                        lambda: tf.constant(0, dtype=tf.int32))
-    with tf.control_dependencies([check]):
-        return [tf.identity(o) for o in outs] if outs else [check]
+    """Graph outputs of a guarded node (the last one: its status handle) -> its real outputs,
+    made data-dependent on reading the status, which raises FailedPreconditionError with the
+    collective's message after a mismatch. (No TensorFlow op raises FailedPrecondition with a
+    runtime message; reading a variable that does not exist does, naming the variable.)"""
+    status, outs = outs[-1], outs[:-1]
+    zero = tf.raw_ops.ReadVariableOp(resource=status, dtype=tf.int32)
+    # Data, not control, dependencies: grappler drops control edges to side-effect-free reads.
+    return [tf.reshape(o, tf.shape(o, out_type=tf.int32) + zero) for o in outs]
 
 
 __all__ = ["as_tf_error", "call_eager", "guard_graph_fn", "check_graph_outputs", "last_error",
-           "HorovodInternalError"]
+           "status_dtype", "HorovodInternalError"]

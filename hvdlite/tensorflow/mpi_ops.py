@@ -206,7 +206,7 @@ def _run(what: str, fn, inputs: list, tout: list, shapes: list) -> list:
             deps = [last]
     with tf.control_dependencies(deps):
         outs = tf.py_function(_errors.guard_graph_fn(fn, list(tout), list(shapes)),
-                              list(inputs), list(tout) + [tf.int32], name=what)
+                              list(inputs), list(tout) + [_errors.status_dtype()], name=what)
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     outs = _errors.check_graph_outputs(what, outs)
     for o, s in zip(outs, shapes):
