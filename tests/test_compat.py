@@ -64,3 +64,18 @@ def test_keras_compat(backend, name):
     run = _run("compat_keras.py", 2, env={"KERAS_BACKEND": backend}, timeout=240)
     run.finished()
     run.check(name)
+
+
+@pytest.mark.skipif(not HAVE_KERAS, reason="Keras 3 is not installed")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["tensorflow", "torch"])
+def test_horovod_keras_example_runs_unchanged(backend, tmp_path):
+    """examples/keras/keras_mnist_like.py: a horovod.keras script with only the import changed."""
+    if backend == "tensorflow" and importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("TensorFlow is not installed")
+    from util import ROOT
+    run = Run(str(ROOT / "examples" / "keras" / "keras_mnist_like.py"), np=2, timeout=240,
+              env={"KERAS_BACKEND": backend, "EPOCHS": "1", "CHECKPOINT_DIR": str(tmp_path)})
+    assert run.returncode == 0, run.output[-4000:]
+    assert any(f"backend {backend}: final loss" in line for line in run.lines[0]), \
+        run.output[-4000:]

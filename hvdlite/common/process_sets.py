@@ -69,9 +69,13 @@ def _rank_list(ranks: Iterable) -> list:
         raise ValueError("ProcessSet should be initialized with a list of process ranks or an "
                          "mpi4py Comm object")
     try:
-        out = [int(r) for r in ranks]
+        items = list(ranks)
+        out = [int(r) for r in items]
+        bad = [r for r, i in zip(items, out) if float(r) != i]
     except (TypeError, ValueError) as exc:
         raise ValueError(f"ProcessSet ranks must be integers: {exc}") from None
+    if bad:
+        raise ValueError(f"ProcessSet ranks must be integers, got {bad}")
     if len(set(out)) != len(out):
         raise ValueError(f"ProcessSet ranks must be distinct, got {out}")
     return sorted(out)

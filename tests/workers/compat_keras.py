@@ -147,6 +147,41 @@ def check_api():
             raise AssertionError(f"hvdlite.keras.callbacks lacks {name}")
     if not hasattr(hvd.elastic, "KerasState") or not hasattr(hvd.elastic, "run"):
         raise AssertionError("hvdlite.keras.elastic lacks KerasState/run")
+    import inspect
+    for name, expected in HOROVOD_KERAS_SIGNATURES.items():
+        params = []
+        for p in inspect.signature(getattr(hvd, name)).parameters.values():
+            if p.default is inspect.Parameter.empty:
+                params.append(p.name)
+            elif p.default is hvd.Compression.none:
+                params.append(f"{p.name}=Compression.none")
+            elif p.default is hvd.global_process_set:
+                params.append(f"{p.name}=global_process_set")
+            elif p.name == "op" and p.default is not None:
+                params.append(f"{p.name}={['Average', 'Sum'][p.default]}")
+            else:
+                params.append(f"{p.name}={p.default!r}")
+        if ", ".join(params) != expected:
+            raise AssertionError(f"{name}({', '.join(params)}) != Horovod's ({expected})")
+
+
+# horovod/keras/__init__.py (Horovod 0.28)
+HOROVOD_KERAS_SIGNATURES = {
+    "DistributedOptimizer": "optimizer, name=None, device_dense='', device_sparse='', "
+                            "compression=Compression.none, sparse_as_dense=False, "
+                            "gradient_predivide_factor=1.0, op=Average, "
+                            "backward_passes_per_step=1, average_aggregated_gradients=False, "
+                            "num_groups=0, groups=None, process_set=global_process_set, "
+                            "scale_local_gradients=True",
+    "broadcast_global_variables": "root_rank",
+    "allreduce": "value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, "
+                 "op=None, compression=Compression.none",
+    "allgather": "value, name=None",
+    "broadcast": "value, root_rank, name=None",
+    "reducescatter": "value, name=None, op=Average",
+    "load_model": "filepath, custom_optimizers=None, custom_objects=None, "
+                  "compression=Compression.none, legacy_opts=False",
+}
 
 
 def main():
