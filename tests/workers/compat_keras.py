@@ -14,27 +14,10 @@ import numpy as np  # noqa: E402
 import keras  # noqa: E402
 
 import hvdlite.keras as hvd  # noqa: E402
+from harness import check, finish, log  # noqa: E402
 
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
-FAILURES: list = []
-
-
-def log(msg):
-    print(msg, flush=True)
-
-
-def check(name, fn):
-    try:
-        fn()
-    except Exception as exc:
-        import traceback
-        FAILURES.append(name)
-        log(f"CHECK {name} FAIL {type(exc).__name__}: {exc}")
-        for line in traceback.format_exc().splitlines()[-20:]:
-            log(f"  | {line}")
-        return
-    log(f"CHECK {name} OK")
 
 
 def close(a, b, what, tol=1e-5):
@@ -190,7 +173,7 @@ def main():
     check("collectives", check_collectives)
     check("fit", check_fit)
     check("load_model", check_load_model)
-    log(f"FINISHED {len(FAILURES)} failed: {FAILURES}")
+    finish()
     hvd.shutdown()
 
 
