@@ -301,14 +301,22 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 
 
 # ---------------------------------------------------------------------- alltoall
+def _split_list(splits):
+    """Horovod reads splits as int32 (a list becomes torch.tensor(splits, dtype=torch.int32)): a
+    tensor of another dtype is refused before anything is sent, not reinterpreted."""
+    if splits is None:
+        return None
+    if isinstance(splits, torch.Tensor):
+        if splits.dtype != torch.int32:
+            raise ValueError(f"alltoall: splits must be an int32 tensor (or a list of ints), got "
+                             f"a {splits.dtype} tensor; pass splits.to(torch.int32)")
+        return splits.reshape(-1).tolist()
+    return torch.tensor(splits, dtype=torch.int32).reshape(-1).tolist()
+
+
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
     """Asynchronous alltoall: rows splits[i] of `tensor` go to rank i of the set."""
-    split_list = None
-    if splits is not None:
-        if isinstance(splits, torch.Tensor):
-            split_list = [int(s) for s in splits.reshape(-1).tolist()]
-        else:
-            split_list = [int(s) for s in splits]
+    split_list = _split_list(splits)
     handle = _ops.alltoall(tensor, split_list, names=name, process_set=process_set)
 
     def post(res):
