@@ -17,7 +17,7 @@ identity (the result is already decompressed), `compress` refuses with a clear e
 """
 from __future__ import annotations
 
-from typing import Any, Generator, Iterable, Optional
+from typing import Any, Generator, Iterable
 
 
 class PendingReduce:

@@ -25,11 +25,11 @@ import os
 import warnings
 import weakref
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from .compression import Compression, is_stateful, drive_all
+from .compression import drive_all, is_stateful
 from .mpi_ops import (Average, Max, Sum, allgather_async, allreduce_async_, global_process_set,
                       reducescatter_async, synchronize)
 
