@@ -309,3 +309,32 @@ def test_ray_train_data_parallel_trainer(cluster, tmp_path):
     with result.checkpoint.as_directory() as d:
         weights = torch.load(os.path.join(d, "weights.pt"))
     check_close(weights, ray_jobs.reference(3))
+
+
+def test_arguments_and_topology():
+    """No cluster needed: Horovod's argument rules, and ranks from nodes."""
+    from hvdlite.ray import ElasticRayExecutor, RayExecutor
+    from hvdlite.ray.topology import assign_ranks, slots_in_order
+
+    with pytest.raises(ValueError, match="either num_workers"):
+        RayExecutor(settings())
+    with pytest.raises(ValueError, match="leave num_workers and num_hosts unset"):
+        RayExecutor(settings(), num_workers=2, min_workers=1)
+    with pytest.raises(ValueError, match="max_workers"):
+        RayExecutor(settings(), min_workers=3, max_workers=2)
+    with pytest.raises(ValueError, match="use_gpu"):
+        RayExecutor(settings(), num_workers=2, gpus_per_worker=1)
+    s = ElasticRayExecutor.create_settings(min_np=2, max_np=4, elastic_timeout=30, nics="eth0")
+    ex = ElasticRayExecutor(s, cpus_per_slot=2)._executor
+    assert (ex.elastic, ex.min_workers, ex.max_workers, ex.cpus_per_worker) == (True, 2, 4, 2)
+    assert s.nics == ["eth0"]
+    # workers placed a, b, a, c, b: ranks grouped by node in order of first placement
+    order = assign_ranks(["a", "b", "a", "c", "b"])
+    assert [i for i, _ in order] == [0, 2, 1, 4, 3]
+    coords = [(s.hostname, s.rank, s.local_rank, s.local_size, s.cross_rank, s.cross_size)
+              for _, s in order]
+    assert coords == [("a", 0, 0, 2, 0, 3), ("a", 1, 1, 2, 0, 2), ("b", 2, 0, 2, 1, 3),
+                      ("b", 3, 1, 2, 1, 2), ("c", 4, 0, 1, 2, 3)]
+    # Ray Train's ranks are given: coordinates follow them as the coordinator computes them
+    assert [(s.local_rank, s.cross_rank, s.cross_size) for s in slots_in_order(
+        ["a", "b", "a"])] == [(0, 0, 2), (0, 1, 2), (1, 0, 1)]
