@@ -20,7 +20,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import collectives
+from . import collectives, rendezvous
+from .flight_recorder import RECORDER, dump_async
 from .exceptions import HorovodInternalError
 from .backends.local import DONE
 from .messages import (ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, ADASUM_OP, BARRIER,
@@ -95,6 +96,7 @@ class Entry:
     extra: Any = None             # alltoall: received splits
     sent_bit: int = -1            # the cache bit sent instead of the request, if any
     ready_event: Any = None       # CUDA input: event recorded on the caller's stream
+    flight: Any = None            # this collective's flight-recorder record
 
 
 class Engine:
@@ -179,6 +181,7 @@ class Engine:
             handle._release = lambda: self._unreserve(keys)
             for key, e in zip(keys, entries):
                 e.handle = handle
+                e.flight = RECORDER.enqueued(e.request)
                 t = e.tensor
                 if t is not None and getattr(t, "is_cuda", False):
                     # The transport runs on other threads' streams: remember when the caller's
@@ -348,8 +351,16 @@ class Engine:
                     return False
             return True
         if kind == "F":
+            if len(msg) > 2 and isinstance(msg[2], dict):
+                if msg[2].get("dump"):
+                    dump_async(msg[2]["dump"])
+                if msg[2].get("hung"):
+                    # Elastic: the next join request names them, so the driver ends them.
+                    rendezvous.report_hung(msg[2]["hung"])
             self._close(msg[1])
             return False
+        if kind == "D":
+            dump_async(msg[1])  # the coordinator saw a stall: flight-recorder dump
         return True
 
     # ------------------------------------------------------------------ execution
@@ -371,9 +382,13 @@ class Engine:
         if resp.type == ERROR:
             for e in self._pop(set_id, resp.names):
                 if e is not None:
+                    RECORDER.finished(e.flight, resp.error)
                     e.handle._complete_one(resp.error)
             return
         entries = self._pop(set_id, resp.names)
+        for e in entries:
+            if e is not None:
+                RECORDER.started(e.flight)
         if resp.cache_bits:
             self.cache.learn(resp, {e.request.name: e.request for e in entries if e is not None})
         if resp.type in (JOIN, BARRIER):
@@ -382,6 +397,7 @@ class Engine:
             for e in entries:
                 if e is not None:
                     e.result = resp.last_joined_rank if resp.type == JOIN else None
+                    RECORDER.finished(e.flight)
                     e.handle._complete_one()
             return
         if resp.type == ADD_PROCESS_SET:
@@ -390,6 +406,7 @@ class Engine:
             for e in entries:
                 if e is not None:
                     e.result = sid
+                    RECORDER.finished(e.flight)
                     e.handle._complete_one()
             return
         if resp.type == REMOVE_PROCESS_SET:
@@ -404,6 +421,7 @@ class Engine:
             for e in entries:
                 if e is not None:
                     e.result = sid
+                    RECORDER.finished(e.flight)
                     e.handle._complete_one()
             return
         if any(e is None for e in entries) and (resp.type != ALLREDUCE or not resp.joined):
@@ -461,6 +479,7 @@ class Engine:
             entries = self._in_transport.pop(seq, [])
             self._idle.notify_all()
         for e in entries:
+            RECORDER.finished(e.flight)
             e.handle._complete_one()
 
     def _op_failed(self, seq: int, resp: Response, tl, exc: Exception) -> None:
@@ -499,4 +518,5 @@ class Engine:
             self._inflight.clear()
             self._queue.clear()
         for e in pending:
+            RECORDER.finished(e.flight, reason)
             e.handle._fail(reason)
