@@ -110,7 +110,10 @@ def thread_stacks() -> list[dict]:
     """Every thread's Python stack, outermost frame first."""
     names = {t.ident: t.name for t in threading.enumerate()}
     out = []
+    me = threading.get_ident()
     for ident, frame in sys._current_frames().items():
+        if ident == me:
+            continue  # the dumping thread itself says nothing about the hang
         frames = [{"file": fs.filename, "line": fs.lineno, "function": fs.name,
                    "code": (fs.line or "").strip()} for fs in traceback.extract_stack(frame)]
         out.append({"thread": names.get(ident, f"thread-{ident}"), "ident": ident,
