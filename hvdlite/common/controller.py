@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from . import autotune
+from . import autotune, straggler
 from .config import Settings
 from .fusion import fuse_responses
 from .messages import (ADD_PROCESS_SET, CACHEABLE_TYPES, ERROR, JOIN, REMOVE_PROCESS_SET,
@@ -318,6 +318,11 @@ class Coordinator:
                 "hosts": {r: self.peers[r].hostname for r in range(self.size)},
             }
             self.peers[h["rank"]].channel.send(("T", topo))
+        interval = straggler.interval_from_env()
+        if interval > 0 and self.size > 1:
+            self.straggler = straggler.Tracker(
+                self.size, interval, {r: p.hostname for r, p in self.peers.items()},
+                time.monotonic())
 
     # ------------------------------------------------------------------ main loop
     def _serve(self) -> None:
@@ -353,6 +358,8 @@ class Coordinator:
             if now >= next_check and not self._stop.is_set():
                 next_check = now + 1.0
                 self._check_stalls(now)
+                if self.straggler is not None:
+                    self.straggler.maybe_report(now)
             if not self.peers:
                 break
 

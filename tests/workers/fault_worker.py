@@ -3,7 +3,7 @@
     fault_worker.py sigstop     the highest rank stops itself (SIGSTOP) after 5 steps
     fault_worker.py diverge     rank 0 allreduces 'grad.a', rank 1 allgathers 'ids.b'
     fault_worker.py straggler   rank 1 sleeps FAULT_SLEEP s before each step's allreduce
-    fault_worker.py steps N     N plain allreduce steps (a live job for the channel test)
+    fault_worker.py until FILE  allreduce steps until FILE exists (a live job for the channel test)
 
 Each step's allreduce is checked against the value every rank computes locally.
 """
@@ -45,9 +45,13 @@ def main() -> int:
             if hvd.rank() == 1:
                 time.sleep(float(os.environ.get("FAULT_SLEEP", "0.1")))
             step(i)
-    elif mode == "steps":
-        for i in range(int(sys.argv[2])):
+    elif mode == "until":
+        # Train until the file argv[2] exists (decided together, by a collective), bounded.
+        for i in range(600):
             step(i)
+            flag = torch.tensor([1.0 if os.path.exists(sys.argv[2]) else 0.0])
+            if hvd.allreduce(flag, name="release", op=hvd.Max).item() > 0:
+                break
             time.sleep(0.1)
     print(f"DONE rank {hvd.rank()}", flush=True)
     hvd.shutdown()
