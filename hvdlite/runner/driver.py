@@ -175,12 +175,8 @@ class _Job:
         self.events: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
         self.ranks: list[_Rank] = []
         # Flight-recorder dumps of this job's ranks (hang_report.py); kept only when written.
-        self.flight_dir = spec.env.get(hang_report.FLIGHT_DIR_ENV)
-        self._own_flight_dir = self.flight_dir is None
-        if self.flight_dir is None:
-            import tempfile
-            self.flight_dir = tempfile.mkdtemp(prefix="hvdlite-flight-")
-            spec.env = dict(spec.env, **{hang_report.FLIGHT_DIR_ENV: self.flight_dir})
+        self.flight_dir, self._own_flight_dir = hang_report.flight_dir_for(spec.env)
+        spec.env = dict(spec.env, **{hang_report.FLIGHT_DIR_ENV: self.flight_dir})
         self.hang_limit_s = hang_report.stall_shutdown_s(spec.env)
         self.stopped = hang_report.StoppedWatch()
 
@@ -352,35 +348,14 @@ class _Job:
         return None
 
     def _ask_dumps(self) -> None:
-        """SIGUSR1 to every live local rank: each dumps its flight recorder and stacks."""
-        asked = 0
-        for r in self.ranks:
-            if not r.done.is_set() and remote_host(r.proc) is None:
-                try:
-                    os.kill(r.proc.pid, signal.SIGUSR1)
-                    asked += 1
-                except OSError:
-                    pass
-        if not asked:
-            return
-        deadline = time.monotonic() + 3.0
-        while time.monotonic() < deadline:
-            if len(hang_report.load_dumps(self.flight_dir)) >= asked:
-                break
-            time.sleep(0.1)
+        """Every live local rank dumps its flight recorder and stacks (SIGUSR1)."""
+        hang_report.ask_dumps([r.proc.pid for r in self.ranks
+                               if not r.done.is_set() and remote_host(r.proc) is None],
+                              self.flight_dir)
 
     def _report_hang(self) -> None:
-        """Print the hang report when ranks dumped (a stall, an interrupt); tidy up otherwise."""
-        try:
-            report = hang_report.build_report(self.flight_dir, len(self.spec.slots))
-        except Exception as exc:  # a report must never hide the job's own result
-            report = f"hvdlite hang report: could not be built: {exc!r}"
-        if report:
-            self.console.message(f"{self.spec.name}: {report}\n{self.spec.name}: read it again "
-                                 f"with: hvdlite-timeline --flight {self.flight_dir}")
-        elif self._own_flight_dir:
-            import shutil
-            shutil.rmtree(self.flight_dir, ignore_errors=True)
+        hang_report.finish(self.flight_dir, self._own_flight_dir, len(self.spec.slots),
+                           lambda text: self.console.message(f"{self.spec.name}: {text}"))
 
     def _sweep_groups(self, grace_until: float) -> None:
         """Stop what the ranks left behind in their process groups (orphaned children)."""

@@ -151,6 +151,9 @@ class ElasticDriver:
         # or seen stopped here for that long (which also covers a stopped rank 0).
         self.hang_limit_s = hang_report.stall_shutdown_s(spec.env)
         self.stopped = hang_report.StoppedWatch()
+        self.flight_dir, self._own_flight_dir = hang_report.flight_dir_for(spec.env)
+        spec.env = dict(spec.env, **{hang_report.FLIGHT_DIR_ENV: self.flight_dir})
+        self._dumps_asked = False
 
     # ------------------------------------------------------------------ helpers
     def _say(self, text: str) -> None:
@@ -209,6 +212,12 @@ class ElasticDriver:
             self._restore_handlers(previous)
             for w in list(self.workers.values()) + self.retired:
                 w.output.join(2.0)
+            if self._dumps_asked:
+                hang_report.finish(self.flight_dir, self._own_flight_dir, None,
+                                   lambda text: self._say(text))
+            elif self._own_flight_dir:
+                import shutil
+                shutil.rmtree(self.flight_dir, ignore_errors=True)
         assert self.result is not None
         self.result.rounds = self.round
         self.result.resets = self.resets
@@ -256,6 +265,7 @@ class ElasticDriver:
     def _handle(self, event: tuple) -> None:
         kind = event[0]
         if kind == "signal":
+            self._ask_dumps()
             self._say(f"interrupted, stopping {len([w for w in self.workers.values() if w.alive])}"
                       f" workers")
             self.result = ElasticResult(exit_code=128 + event[1], interrupted_by=event[1])
@@ -357,6 +367,13 @@ class ElasticDriver:
             if w is not failed and w.alive and w.round == self.round and w.conn is not None \
                     and w.status == "running":
                 w.conn.send(("R", self.round, f"round {self.round} was aborted: {text}"))
+
+    def _ask_dumps(self) -> None:
+        """On an interrupt: every live local worker dumps its flight recorder and stacks."""
+        self._dumps_asked = True
+        hang_report.ask_dumps([w.proc.pid for w in self.workers.values()
+                               if w.alive and w.proc is not None and not w.done.is_set()
+                               and remote_host(w.proc) is None], self.flight_dir)
 
     def _check_stopped(self) -> None:
         if self.finishing:

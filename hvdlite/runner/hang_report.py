@@ -18,6 +18,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
+import tempfile
 import time
 from typing import Optional
 
@@ -33,6 +35,19 @@ def process_stopped(pid: int) -> bool:
     except OSError:
         return False
     return data[data.rfind(")") + 2:][:1] in ("T", "t")
+
+
+def catches_signal(pid: int, signum: int) -> bool:
+    """True when a local process has a handler for `signum` (SigCgt in /proc): SIGUSR1 goes
+    only to ranks whose flight recorder listens, since its default action ends a process."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 class StoppedWatch:
@@ -148,3 +163,42 @@ def build_report(path: str, size: Optional[int] = None) -> Optional[str]:
             for f in stack[-8:]:
                 lines.append(f"      {f['file']}:{f['line']} in {f['function']}: {f['code']}")
     return "\n".join(lines)
+
+
+def flight_dir_for(env: dict) -> tuple[str, bool]:
+    """The job's dump directory (HVDLITE_FLIGHT_DIR from the workers' environment, or a fresh
+    one) and whether the launcher created it (and so removes it when nothing was dumped)."""
+    path = env.get(FLIGHT_DIR_ENV)
+    if path:
+        return path, False
+    return tempfile.mkdtemp(prefix="hvdlite-flight-"), True
+
+
+def ask_dumps(pids: list[int], path: str, wait_s: float = 3.0) -> int:
+    """SIGUSR1 to each local rank whose flight recorder listens; wait (bounded) for the dumps.
+    Returns how many ranks were asked."""
+    asked = 0
+    for pid in pids:
+        if catches_signal(pid, signal.SIGUSR1):
+            try:
+                os.kill(pid, signal.SIGUSR1)
+                asked += 1
+            except OSError:
+                pass
+    deadline = time.monotonic() + wait_s
+    while asked and time.monotonic() < deadline and len(load_dumps(path)) < asked:
+        time.sleep(0.1)
+    return asked
+
+
+def finish(path: str, created: bool, size: Optional[int], say) -> None:
+    """Print the report when ranks dumped; otherwise remove a directory the launcher made."""
+    try:
+        report = build_report(path, size)
+    except Exception as exc:  # a report must never hide the job's own result
+        report = f"hvdlite hang report: could not be built: {exc!r}"
+    if report:
+        say(f"{report}\nread it again with: hvdlite-timeline --flight {path}")
+    elif created:
+        import shutil
+        shutil.rmtree(path, ignore_errors=True)
