@@ -360,6 +360,7 @@ class Coordinator:
                 self._check_stalls(now)
                 if self.straggler is not None:
                     self.straggler.maybe_report(now)
+                self._heartbeat()
             if not self.peers:
                 break
 
@@ -732,6 +733,15 @@ class Coordinator:
             out: dict = {}
             self._stop_with(self._hang_message(hung, now) + "\n" + fatal, out,
                             {"hung": hung, "dump": "stall shutdown"})
+
+    def _heartbeat(self) -> None:
+        """Once a second: lets every rank tell a quiet coordinator from a hung one (a stopped
+        rank 0 stops its coordinator too; see Engine._check_coordinator)."""
+        for peer in list(self.peers.values()):
+            try:
+                peer.channel.send(("K",))
+            except OSError:
+                pass
 
     def _describe_last(self, rank: int, now: float) -> str:
         seen = self._last_seen.get(rank)

@@ -125,6 +125,11 @@ class Engine:
         self._closed: str | None = None
         self._stopping = False
         self._last_send = 0.0
+        # The coordinator sends at least a heartbeat every second; silence far past the stall
+        # shutdown time means rank 0 is hung (stopped) or unreachable.
+        self._last_heard = time.monotonic()
+        shutdown_s = getattr(settings, "stall_shutdown_s", 0) or 0
+        self._silence_limit_s = shutdown_s + 10.0 if shutdown_s > 0 else 0.0
         # Launched collectives, in launch order, until the finisher completes them.
         self._transport: queue.Queue = queue.Queue(maxsize=64)
         self._in_transport: dict[int, list] = {}
@@ -262,8 +267,17 @@ class Engine:
                 else:
                     try:
                         eof = not self.channel.feed()
+                        self._last_heard = time.monotonic()
                     except OSError:
                         eof = True
+            if self._silence_limit_s and not eof and \
+                    time.monotonic() - self._last_heard > self._silence_limit_s:
+                silent = time.monotonic() - self._last_heard
+                rendezvous.report_hung([0])
+                self._close(f"rank 0 (the coordinator) has sent nothing for {silent:.0f} s, "
+                            f"more than the stall shutdown time + 10 s: it is hung (stopped) "
+                            f"or its host is unreachable. {SHUT_DOWN_MESSAGE}")
+                return
             try:
                 msgs = self.channel.messages()
             except ProtocolError as exc:
