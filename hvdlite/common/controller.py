@@ -23,6 +23,7 @@ from .fusion import fuse_responses
 from .messages import (ADD_PROCESS_SET, CACHEABLE_TYPES, ERROR, JOIN, REMOVE_PROCESS_SET,
                        TYPE_NAMES, Request, Response)
 from .negotiation import construct_response
+from .protocol import Item, Msg
 from .rendezvous import server_handshake
 from .response_cache import CoordinatorCache
 from .stall import StallInspector
@@ -256,7 +257,7 @@ class Coordinator:
             channel.close()
 
     def _accept_hello(self, peer: _Peer, msg) -> str | None:
-        if not (isinstance(msg, tuple) and msg and msg[0] == "H"):
+        if not (isinstance(msg, tuple) and msg and msg[0] == Msg.HELLO):
             return "a rank sent an unexpected first message to the coordinator"
         hello = msg[1]
         rank, size = hello["rank"], hello["size"]
@@ -317,7 +318,7 @@ class Coordinator:
                 "process_set_ids": set_ids,
                 "hosts": {r: self.peers[r].hostname for r in range(self.size)},
             }
-            self.peers[h["rank"]].channel.send(("T", topo))
+            self.peers[h["rank"]].channel.send((Msg.TOPOLOGY, topo))
         interval = straggler.interval_from_env()
         if interval > 0 and self.size > 1:
             self.straggler = straggler.Tracker(
@@ -387,7 +388,8 @@ class Coordinator:
         if self._fatal_sent:
             return
         self._fatal_sent = True
-        msg = ("F", message) if not self._fatal_extra else ("F", message, self._fatal_extra)
+        msg = (Msg.FATAL, message) if not self._fatal_extra else \
+            (Msg.FATAL, message, self._fatal_extra)
         for peer in list(self.peers.values()):
             try:
                 peer.channel.send(msg)
@@ -402,7 +404,7 @@ class Coordinator:
             if peer is None or not items:
                 continue
             try:
-                peer.channel.send(("R", items))
+                peer.channel.send((Msg.RESPONSES, items))
             except OSError:
                 pass  # its loss shows up as EOF on the next select
         out.clear()
@@ -410,7 +412,7 @@ class Coordinator:
     # ------------------------------------------------------------------ messages
     def _handle(self, rank: int, msg, out: dict) -> None:
         kind = msg[0]
-        if kind == "Q":
+        if kind == Msg.QUERY:
             _, requests, hits = msg
             now = time.monotonic()
             self._last_seen[rank] = (now, requests, hits)
@@ -422,11 +424,11 @@ class Coordinator:
             for set_id, mask in hits:
                 self._on_hits(rank, set_id, mask, ready, out)
             self._release(ready, out)
-        elif kind == "S":
+        elif kind == Msg.SHUTDOWN:
             self._on_shutdown(rank, out)
-        elif kind == "X":
+        elif kind == Msg.FAILED:
             self._stop_with(f"rank {rank} failed while running a collective: {msg[1]}", out)
-        elif kind == "TL":
+        elif kind == Msg.TIMELINE:
             if self.timeline is not None:
                 self.timeline.control(*msg[1:])
 
@@ -441,7 +443,7 @@ class Coordinator:
         return s
 
     def _send_error(self, rank: int, set_id: int, names: list, message: str, out: dict) -> None:
-        out.setdefault(rank, []).append(("R", Response(type=ERROR, names=list(names),
+        out.setdefault(rank, []).append((Item.RESPONSE, Response(type=ERROR, names=list(names),
                                                        process_set_id=set_id, error=message)))
 
     def _on_request(self, rank: int, req: Request, ready: list, out: dict) -> None:
@@ -536,7 +538,7 @@ class Coordinator:
                 else:
                     self._add_to_table(s, idx, entry.requests[idx], ready)
             if resend:
-                out.setdefault(rank, []).append(("B", set_id, resend))
+                out.setdefault(rank, []).append((Item.RESEND, set_id, resend))
         now = time.monotonic()
         new = mask & ~s.pending_bits[idx]
         while new:
@@ -660,7 +662,7 @@ class Coordinator:
     # ------------------------------------------------------------------ release
     def _announce_evictions(self, s: SetState, bits: list, out: dict) -> None:
         for g in s.ranks:
-            out.setdefault(g, []).append(("E", s.id, list(bits)))
+            out.setdefault(g, []).append((Item.EVICT, s.id, list(bits)))
 
     def _release(self, ready: list, out: dict) -> None:
         self._release_ready(ready, out)
@@ -696,17 +698,17 @@ class Coordinator:
                                group_fusion=not self.settings.disable_group_fusion)
         if self.autotune is not None:
             # Autotune hook: score what was released; a new cycle time goes to every rank ahead
-            # of these responses (the engine applies ("P", ms) items).
+            # of these responses (the engine applies Item.CYCLE_TIME items).
             cycle_ms = self.autotune.observe(fused)
             if cycle_ms is not None:
                 for g in self.peers:
-                    out.setdefault(g, []).append(("P", cycle_ms))
+                    out.setdefault(g, []).append((Item.CYCLE_TIME, cycle_ms))
         for resp in fused:
             s = by_id[resp.process_set_id]
             bits = resp.cache_bits or []
             compact = (resp.type in CACHEABLE_TYPES and bits and all(b >= 0 for b in bits)
                        and not any((s.id, b) in self._fresh for b in bits))
-            item = ("C", s.id, tuple(bits), resp.joined) if compact else ("R", resp)
+            item = (Item.CACHED, s.id, tuple(bits), resp.joined) if compact else (Item.RESPONSE, resp)
             for g in s.ranks:
                 out.setdefault(g, []).append(item)
 
@@ -725,7 +727,7 @@ class Coordinator:
             self._dump_asked = True
             for peer in list(self.peers.values()):
                 try:
-                    peer.channel.send(("D", "stall reported"))
+                    peer.channel.send((Msg.DUMP, "stall reported"))
                 except OSError:
                     pass
         if fatal:
@@ -739,7 +741,7 @@ class Coordinator:
         rank 0 stops its coordinator too; see Engine._check_coordinator)."""
         for peer in list(self.peers.values()):
             try:
-                peer.channel.send(("K",))
+                peer.channel.send((Msg.HEARTBEAT,))
             except OSError:
                 pass
 
