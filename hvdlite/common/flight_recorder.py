@@ -30,6 +30,8 @@ import traceback
 from collections import deque
 from typing import Any, Callable, Optional
 
+from .messages import TYPE_NAMES
+
 log = logging.getLogger("hvdlite")
 
 DIR_ENV = "HVDLITE_FLIGHT_DIR"
@@ -37,16 +39,10 @@ SIZE_ENV = "HVDLITE_FLIGHT_RECORDER_SIZE"
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STDLIB = tuple({os.path.abspath(p) for p in (sysconfig.get_paths().get("stdlib"),
                                               sysconfig.get_paths().get("platstdlib")) if p})
-_TYPE_NAMES = {0: "allreduce", 1: "allgather", 2: "broadcast", 3: "alltoall", 4: "reducescatter",
-               5: "join", 6: "barrier"}
 
 
 def _op_name(req: Any) -> str:
-    try:
-        from .messages import TYPE_NAMES
-        return TYPE_NAMES[req.type].lower()
-    except Exception:  # pragma: no cover - an unknown type still gets recorded
-        return _TYPE_NAMES.get(getattr(req, "type", -1), str(getattr(req, "type", "?")))
+    return TYPE_NAMES.get(req.type, str(req.type)).lower()
 
 
 class Recorder:
