@@ -783,9 +783,10 @@ class Coordinator:
         """What this coordinator last saw from every rank (for the flight-recorder report)."""
         now = time.monotonic()
         out = {}
+        peers, last_seen = dict(self.peers), dict(self._last_seen)  # another thread's dicts
         for g in range(self.size):
-            peer = self.peers.get(g)
-            seen = self._last_seen.get(g)
+            peer = peers.get(g)
+            seen = last_seen.get(g)
             out[str(g)] = {
                 "host": peer.hostname if peer else None, "pid": peer.pid if peer else None,
                 "connected": peer is not None,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import collectives, rendezvous
-from .flight_recorder import RECORDER, dump_async
+from .flight_recorder import RECORDER, dump, dump_async
 from .exceptions import HorovodInternalError
 from .backends.base import DONE
 from .messages import (ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER,
@@ -402,7 +402,7 @@ class Engine:
         if kind == Msg.FATAL:
             if len(msg) > 2 and isinstance(msg[2], dict):
                 if msg[2].get("dump"):
-                    dump_async(msg[2]["dump"])
+                    dump(msg[2]["dump"])  # now, before closing changes the records' states
                 if msg[2].get("hung"):
                     # Elastic: the next join request names them, so the driver ends them.
                     rendezvous.report_hung(msg[2]["hung"])

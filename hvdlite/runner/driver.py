@@ -337,7 +337,7 @@ class _Job:
         for r in self.ranks:
             if r.done.is_set() or remote_host(r.proc) is not None:
                 continue
-            if self.stopped.stopped_for(r.proc.pid) > self.hang_limit_s:
+            if self.hang_limit_s > 0 and self.stopped.stopped_for(r.proc.pid) > self.hang_limit_s:
                 self.console.message(
                     f"{self.spec.name}: rank {r.slot.rank} "
                     f"({describe_process(r.proc, r.slot.hostname)}) has been stopped (hung) for "

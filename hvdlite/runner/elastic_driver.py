@@ -376,7 +376,7 @@ class ElasticDriver:
                                and remote_host(w.proc) is None], self.flight_dir)
 
     def _check_stopped(self) -> None:
-        if self.finishing:
+        if self.finishing or self.hang_limit_s <= 0:
             return
         now = time.monotonic()
         for w in self._live():

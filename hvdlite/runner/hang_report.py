@@ -65,7 +65,12 @@ class StoppedWatch:
 
 
 def stall_shutdown_s(env: dict) -> float:
-    """The stall shutdown time the workers run with (the launchers' hang limit)."""
+    """The stall shutdown time the workers run with (the launchers' hang limit); 0 when the
+    job waits forever (shutdown time 0, or the stall check disabled, as in Horovod)."""
+    for name in ("HVDLITE_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE"):
+        value = (env.get(name) or os.environ.get(name) or "").strip().lower()
+        if value in ("1", "true", "yes", "on"):
+            return 0.0
     for name in ("HVDLITE_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"):
         value = env.get(name) or os.environ.get(name)
         if value:
@@ -97,7 +102,7 @@ def _describe(rec: Optional[dict]) -> str:
 
 
 def _pending(dump: dict) -> list[dict]:
-    return [r for r in dump.get("records", []) if r.get("state") in ("enqueued", "started")]
+    return [r for r in dump.get("records", []) if r.get("state") != "done"]
 
 
 def _user_line(dump: dict) -> str:
