@@ -272,3 +272,70 @@ def test_coordinator_refuses_forged_replayed_oversized_and_truncated_frames(tmp_
     assert any("every rank has already joined" in line for line in refused), err
     assert out.count("DONE rank") == 2
     assert leftovers(marker) == []
+
+
+# --------------------------------------------------------------------------- units
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        a = socket.create_connection(server.getsockname())
+        b, _ = server.accept()
+    return a, b
+
+
+@pytest.mark.timeout(30)
+def test_channel_refuses_oversized_forged_and_replayed_frames_from_the_header():
+    from hvdlite.common import wire
+
+    a, b = _tcp_pair()
+    try:
+        key = os.urandom(32)
+        sender, receiver = wire.Channel(a, key), wire.Channel(b, key)
+        sender.send(("Q", [], []))
+        receiver.feed()
+        assert receiver.messages() == [("Q", [], [])]
+        # A header announcing more than the cap is refused before its payload is buffered.
+        a.sendall(wire._HEADER.pack(wire.MAX_FRAME + 1, 1) + bytes(32))
+        receiver.feed()
+        with pytest.raises(wire.ProtocolError, match="oversized frame"):
+            receiver.messages()
+    finally:
+        a.close()
+        b.close()
+    a, b = _tcp_pair()
+    try:
+        sender, receiver = wire.Channel(a, key), wire.Channel(b, key)
+        sender.send(("S",))
+        frame = b.recv(65536)
+        receiver._buf += frame
+        assert receiver.messages() == [("S",)]
+        receiver._buf += frame       # recorded and replayed: its sequence number is stale
+        with pytest.raises(wire.ProtocolError, match="bad signature or replayed"):
+            receiver.messages()
+        forged = wire.Channel(a, os.urandom(32))
+        forged.send_seq = 1
+        forged.send(("S",))
+        receiver._buf.clear()
+        receiver.feed()
+        with pytest.raises(wire.ProtocolError, match="bad signature"):
+            receiver.messages()
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(30)
+def test_straggler_tracker_ratios_against_the_median_rank():
+    from hvdlite.common.straggler import Tracker
+
+    t = Tracker(3, 1.0, {1: "slowhost"}, now=0.0)
+    for step in range(10):
+        base = step * 1.0
+        t.released([0, 1, 2], base)
+        t.submitted(0, base + 0.010)
+        t.submitted(2, base + 0.012)
+        t.submitted(1, base + 0.100)
+    rel = t.relative()
+    assert rel[0] < 1.0 and rel[2] == 1.0 and 8 < rel[1] < 9
+    text = t.maybe_report(1.5, stream=open(os.devnull, "w"))
+    assert "slowest: rank 1 on host slowhost" in text
