@@ -175,8 +175,8 @@ class _Job:
         self.events: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
         self.ranks: list[_Rank] = []
         # Flight-recorder dumps of this job's ranks (hang_report.py); kept only when written.
-        self.flight_dir, self._own_flight_dir = hang_report.flight_dir_for(spec.env)
-        spec.env = dict(spec.env, **{hang_report.FLIGHT_DIR_ENV: self.flight_dir})
+        self.flight_dir = ""                  # made in run(), once ranks will start
+        self._own_flight_dir = False
         self.hang_limit_s = hang_report.stall_shutdown_s(spec.env)
         self.stopped = hang_report.StoppedWatch()
 
@@ -211,6 +211,8 @@ class _Job:
         if self.spec.verbose:
             self.console.message(f"{self.spec.name}: rendezvous store listening on "
                                  f"{self.rdv.bind}:{self.rdv.port}")
+        self.flight_dir, self._own_flight_dir = hang_report.flight_dir_for(self.spec.env)
+        self.spec.env = dict(self.spec.env, **{hang_report.FLIGHT_DIR_ENV: self.flight_dir})
         previous = self._install_handlers()
         try:
             result = self._start(spawners)

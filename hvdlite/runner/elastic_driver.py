@@ -151,8 +151,8 @@ class ElasticDriver:
         # or seen stopped here for that long (which also covers a stopped rank 0).
         self.hang_limit_s = hang_report.stall_shutdown_s(spec.env)
         self.stopped = hang_report.StoppedWatch()
-        self.flight_dir, self._own_flight_dir = hang_report.flight_dir_for(spec.env)
-        spec.env = dict(spec.env, **{hang_report.FLIGHT_DIR_ENV: self.flight_dir})
+        self.flight_dir: Optional[str] = None       # made in run(), once workers will start
+        self._own_flight_dir = False
         self._dumps_asked = False
 
     # ------------------------------------------------------------------ helpers
@@ -195,6 +195,8 @@ class ElasticDriver:
         if self.rdv is None:
             self.rdv = Rendezvous(list(first), spec.start_timeout, spec.nics,
                                   all_interfaces=not all_local)
+        self.flight_dir, self._own_flight_dir = hang_report.flight_dir_for(spec.env)
+        spec.env = dict(spec.env, **{hang_report.FLIGHT_DIR_ENV: self.flight_dir})
         self.server = ControlServer(self.rdv.key, self.events.put,
                                     bind="127.0.0.1" if all_local else "0.0.0.0")
         self._verbose(f"elastic: store at port {self.rdv.port}, control endpoint at port "
