@@ -19,6 +19,8 @@ Environment (all optional):
   ELASTIC_MARK_DIR      write pid.<worker> and step.<worker> ("<step> <size> <rank>") here
   ELASTIC_SIGSTOP_AT    after this step the highest rank stops itself (SIGSTOP), once per job
   ELASTIC_EXIT_IN_INIT  this worker ("host:slot") dies inside its first hvd.init(), once
+  ELASTIC_ZERO_STAGE    DistributedOptimizer(zero_stage=...) (0); with 1 or 2 the RESULT also
+                        holds the consolidated momentum buffers ("momentum")
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ MARK_DIR = os.environ.get("ELASTIC_MARK_DIR")
 SIGSTOP_AT = int(os.environ["ELASTIC_SIGSTOP_AT"]) if os.environ.get("ELASTIC_SIGSTOP_AT") \
     else None
 EXIT_IN_INIT = os.environ.get("ELASTIC_EXIT_IN_INIT")
+ZERO_STAGE = int(os.environ.get("ELASTIC_ZERO_STAGE", "0"))
 LR, MOMENTUM = 0.25, 0.5
 DATASET, BATCH = 40, 2
 
@@ -65,13 +68,21 @@ def step_fn(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> No
     opt.step()
 
 
-def reference(steps: int) -> dict[str, list]:
-    """The single-process result of `steps` steps."""
+def reference(steps: int, momentum: bool = False):
+    """The single-process result of `steps` steps (and the momentum buffers, if asked)."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     for s in range(steps):
         step_fn(model, opt, s)
-    return {k: v.tolist() for k, v in model.state_dict().items()}
+    params = {k: v.tolist() for k, v in model.state_dict().items()}
+    if momentum:
+        return params, momentum_of(opt.state_dict())
+    return params
+
+
+def momentum_of(state_dict: dict) -> list:
+    return [state_dict["state"][k]["momentum_buffer"].tolist()
+            for k in sorted(state_dict["state"])]
 
 
 def _mark(kind: str, text: str) -> None:
@@ -109,7 +120,8 @@ def main() -> int:
     hvd.init()
     model = make_model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM),
-                                   named_parameters=model.named_parameters())
+                                   named_parameters=model.named_parameters(),
+                                   zero_stage=ZERO_STAGE)
     sampler = hvd.elastic.ElasticSampler(range(DATASET), shuffle=True, seed=7)
     state = hvd.elastic.TorchState(model, opt, sampler=sampler, step=0, trace=[], epochs=[[]])
     sizes: list[int] = []
@@ -169,12 +181,17 @@ def main() -> int:
 
     train(state)
     _mark("done", f"{state.step} {hvd.size()} {hvd.rank()}")
+    extra = {}
+    if ZERO_STAGE:
+        # Consolidated (a collective); every rank owns only its shard.
+        extra = {"momentum": momentum_of(opt.state_dict()),
+                 "owned": len(opt.owned_parameters())}
     if hvd.rank() == 0:
         print("RESULT " + json.dumps({
             "step": state.step, "trace": state.trace, "size": hvd.size(),
             "epochs": state.epochs,
             "params": {k: v.tolist() for k, v in model.state_dict().items()},
-            "reset_sizes": sizes}), flush=True)
+            "reset_sizes": sizes, **extra}), flush=True)
     return 0
 
 
