@@ -214,6 +214,11 @@ def test_coordinator_refuses_forged_replayed_oversized_and_truncated_frames(tmp_
                     pass
             time.sleep(0.2)
         secret = bytes.fromhex(rank0.environ()["HVDLITE_SECRET"])
+        # Probe only once every rank has joined (a valid hello during the handshake would be
+        # a second claim to rank 0, which fails the job, rightly).
+        while not all(Path(f"{release}.started.{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.2)
         while True:
             try:
                 port = _coordinator_port(rank0.pid)

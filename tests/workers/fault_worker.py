@@ -47,8 +47,12 @@ def main() -> int:
             step(i)
     elif mode == "until":
         # Train until the file argv[2] exists (decided together, by a collective), bounded.
+        # After the first step every rank has joined: say so with a file per rank.
         for i in range(600):
             step(i)
+            if i == 0:
+                with open(f"{sys.argv[2]}.started.{hvd.rank()}", "w") as f:
+                    f.write("ok")
             flag = torch.tensor([1.0 if os.path.exists(sys.argv[2]) else 0.0])
             if hvd.allreduce(flag, name="release", op=hvd.Max).item() > 0:
                 break
