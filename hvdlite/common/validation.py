@@ -11,8 +11,13 @@ from typing import Optional, Sequence
 
 
 def alltoall_splits(splits: Optional[Sequence[int]], dim0: int, set_size: int,
-                    what: str = "alltoall") -> Optional[tuple]:
-    """The splits to send (None: equal parts), checked against the tensor's first dimension."""
+                    what: str = "alltoall", dtype: Optional[str] = None) -> Optional[tuple]:
+    """The splits to send (None: equal parts), checked against the tensor's first dimension.
+    `dtype` is the dtype name of a splits tensor: anything but int32 is refused, never read as
+    garbage counts."""
+    if splits is not None and dtype is not None and dtype != "int32":
+        raise ValueError(f"{what}: splits must be an int32 tensor (or a list of ints), got a "
+                         f"{dtype} tensor; cast the splits to int32")
     if splits is None:
         if set_size and dim0 % set_size != 0:
             raise ValueError(
