@@ -32,3 +32,5 @@ for np in 1 2 4; do
 done
 echo "== gradient compression (bytes, step time, final loss), 2 ranks, gloo"
 .venv/bin/hvdlite-run -np 2 "$PY" benchmarks/compression.py --json "$OUT/compression_np2.json"
+echo "== Keras model.fit / DistributedGradientTape / torch frontend / one plain process"
+"$PY" benchmarks/keras_fit.py --json "$OUT/keras_fit.json"
