@@ -139,18 +139,25 @@ def init(comm=None, process_sets=None) -> None:
             host, port = _share_address(ident, store, prefix, port, settings)
         sock = _connect(host, int(port), deadline)
         channel = Channel(sock, key)
+        # Steady-state rounds travel on direct connections between ranks (steady.py).
+        peer_listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        peer_listener.bind(("0.0.0.0", 0))
+        peer_listener.listen(128)
         channel.send(("H", {"rank": ident.rank, "size": ident.size, "hostname": ident.hostname,
                             "pid": os.getpid(), "dynamic": dynamic,
+                            "peer_port": peer_listener.getsockname()[1],
                             "process_sets": [ps.ranks for ps in static]}))
         try:
             reply = channel.recv_blocking(max(1.0, deadline - time.monotonic()) + 5.0)
         except (OSError, ConnectionError) as exc:
             channel.close()
+            peer_listener.close()
             if state.coordinator is not None:
                 state.coordinator.stop()
             raise HorovodInternalError(f"rank {ident.rank} could not join the job: {exc}") from exc
         if reply[0] == "F":
             channel.close()
+            peer_listener.close()
             if state.coordinator is not None:
                 state.coordinator.stop()
             raise HorovodInternalError(reply[1])
@@ -178,7 +185,8 @@ def init(comm=None, process_sets=None) -> None:
 
         state.engine = Engine(rank=ident.rank, size=ident.size, settings=settings,
                               channel=channel, comm_factory=comm_factory, set_ranks=set_ranks,
-                              timeline=timeline)
+                              timeline=timeline, peer_listener=peer_listener, key=key,
+                              peers=topo.get("peers"))
         state.transport = transport
         _state = state
         if not _atexit_registered:
@@ -303,6 +311,12 @@ def _set_ranks(set_id: int) -> list:
 
 def engine() -> Engine:
     return _require().engine
+
+
+def engine_counters() -> dict:
+    """This rank's engine counters: messages to the coordinator, steady-state rounds and the
+    tensors they released, fallbacks to full negotiation (tests and benchmarks read them)."""
+    return dict(_require().engine.counters)
 
 
 def submit(entries: list[Entry]) -> Handle:
