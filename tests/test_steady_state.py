@@ -13,32 +13,39 @@ from __future__ import annotations
 
 import pytest
 
-from test_process_sets import _assert_check, _assert_finished
-from util import hvdlite_run, rank_lines
+from util import Run
 
 CHECKS = ["steady_hits", "changed_shape", "join", "process_set"]
 
 
-def _launch(launcher_args=None) -> dict:
-    proc = hvdlite_run("steady_state.py", np=3, timeout=150, launcher_args=launcher_args)
-    return {"script": "steady_state.py", "np": 3,
-            "output": proc.stdout + "\n--- stderr\n" + proc.stderr,
-            "lines": {r: rank_lines(proc.stdout, r) for r in range(3)}}
-
-
 @pytest.fixture(scope="module")
 def gloo_run():
-    return _launch()
+    return Run("steady_state.py", 3, timeout=150)
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("name", CHECKS)
 def test_steady_state_gloo(gloo_run, name):
-    _assert_check(gloo_run, name)
+    gloo_run.check(name)
 
 
+@pytest.mark.timeout(180)
 def test_steady_state_gloo_finished(gloo_run):
-    _assert_finished(gloo_run)
+    gloo_run.finished()
+
+
+class MpiRun(Run):
+    """The same worker under `hvdlite-run --mpi` (mpiexec, the MPI transport)."""
+
+    def __init__(self, script: str, np: int):
+        from util import hvdlite_run, rank_lines
+        self.script, self.np = script, np
+        proc = hvdlite_run(script, np=np, timeout=150, launcher_args=["--mpi"])
+        self.returncode = proc.returncode
+        self.stdout = proc.stdout
+        self.output = proc.stdout + "\n--- stderr\n" + proc.stderr
+        self.lines = {r: rank_lines(proc.stdout, r) for r in range(np)}
+        self.detail_lines = 30
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +53,11 @@ def mpi_run():
     from test_mpi import HAVE_MPI
     if not HAVE_MPI:
         pytest.skip("mpi4py/mpiexec not installed (pip install mpi4py mpich)")
-    return _launch(["--mpi"])
+    return MpiRun("steady_state.py", 3)
 
 
 @pytest.mark.timeout(180)
 def test_steady_state_mpi(mpi_run):
     for name in CHECKS:
-        _assert_check(mpi_run, name)
-    _assert_finished(mpi_run)
+        mpi_run.check(name)
+    mpi_run.finished()

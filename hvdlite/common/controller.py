@@ -29,6 +29,7 @@ from .fusion import fuse_responses
 from .messages import (ADD_PROCESS_SET, CACHEABLE_TYPES, ERROR, JOIN, REMOVE_PROCESS_SET,
                        TYPE_NAMES, Request, Response)
 from .negotiation import construct_response
+from .protocol import Item, Msg
 from .response_cache import CoordinatorCache
 from .stall import StallInspector
 from .steady import gone_message
@@ -197,7 +198,7 @@ class Coordinator:
         return True
 
     def _accept_hello(self, peer: _Peer, msg) -> str | None:
-        if not (isinstance(msg, tuple) and msg and msg[0] == "H"):
+        if not (isinstance(msg, tuple) and msg and msg[0] == Msg.HELLO):
             return "a rank sent an unexpected first message to the coordinator"
         hello = msg[1]
         rank, size = hello["rank"], hello["size"]
@@ -266,7 +267,7 @@ class Coordinator:
                 "hosts": {r: self.peers[r].hostname for r in range(self.size)},
                 "peers": peers,
             }
-            self.peers[h["rank"]].channel.send(("T", topo))
+            self.peers[h["rank"]].channel.send((Msg.TOPOLOGY, topo))
 
     # ------------------------------------------------------------------ main loop
     def _serve(self) -> None:
@@ -328,7 +329,7 @@ class Coordinator:
         self._fatal_sent = True
         for peer in list(self.peers.values()):
             try:
-                peer.channel.send(("F", message))
+                peer.channel.send((Msg.FATAL, message))
             except OSError:
                 pass
 
@@ -338,7 +339,7 @@ class Coordinator:
             if peer is None or not items:
                 continue
             try:
-                peer.channel.send(("R", items))
+                peer.channel.send((Msg.RESPONSES, items))
             except OSError:
                 pass  # its loss shows up as EOF on the next select
         out.clear()
@@ -347,7 +348,7 @@ class Coordinator:
     def _handle(self, rank: int, msg, out: dict) -> None:
         kind = msg[0]
         self.messages_handled += 1
-        if kind == "Q":
+        if kind == Msg.QUERY:
             requests, hits = msg[1], msg[2]
             tags = msg[3] if len(msg) > 3 else {}
             ready: list[tuple[SetState, Response]] = []
@@ -367,9 +368,9 @@ class Coordinator:
                     continue
                 self._on_hits(rank, set_id, mask, ready, out)
             for set_id, (names, bits) in bounced.items():
-                out.setdefault(rank, []).append(("Y", set_id, names, bits))
+                out.setdefault(rank, []).append((Item.TAKE_BACK, set_id, names, bits))
             self._release(ready, out)
-        elif kind == "U":
+        elif kind == Msg.STEADY_LEFT:
             s = self.sets.get(msg[1])
             if s is not None and s.steady and msg[2] == s.epoch and rank in s.index:
                 s.unsteady.add(s.index[rank])
@@ -378,18 +379,18 @@ class Coordinator:
                     s.steady = False
                     s.unsteady.clear()
                     s.waiting.clear()
-        elif kind == "W":
+        elif kind == Msg.STEADY_WAIT:
             s = self.sets.get(msg[1])
             if s is not None and s.steady and msg[2] == s.epoch and rank in s.index:
                 if msg[3]:
                     s.waiting[s.index[rank]] = (time.monotonic() - msg[4], list(msg[3]))
                 else:
                     s.waiting.pop(s.index[rank], None)
-        elif kind == "S":
+        elif kind == Msg.SHUTDOWN:
             self._on_shutdown(rank, out)
-        elif kind == "X":
+        elif kind == Msg.FAILED:
             self._stop_with(f"rank {rank} failed while running a collective: {msg[1]}", out)
-        elif kind == "TL":
+        elif kind == Msg.TIMELINE:
             if self.timeline is not None:
                 self.timeline.control(*msg[1:])
 
@@ -410,7 +411,7 @@ class Coordinator:
         return s
 
     def _send_error(self, rank: int, set_id: int, names: list, message: str, out: dict) -> None:
-        out.setdefault(rank, []).append(("R", Response(type=ERROR, names=list(names),
+        out.setdefault(rank, []).append((Item.RESPONSE, Response(type=ERROR, names=list(names),
                                                        process_set_id=set_id, error=message)))
 
     def _on_request(self, rank: int, req: Request, ready: list, out: dict) -> None:
@@ -505,7 +506,7 @@ class Coordinator:
                 else:
                     self._add_to_table(s, idx, entry.requests[idx], ready)
             if resend:
-                out.setdefault(rank, []).append(("B", set_id, resend))
+                out.setdefault(rank, []).append((Item.RESEND, set_id, resend))
         now = time.monotonic()
         new = mask & ~s.pending_bits[idx]
         while new:
@@ -565,7 +566,7 @@ class Coordinator:
                 # Ranks still steady fail what waits on the gone rank themselves.
                 for other in s.ranks:
                     if other != rank:
-                        out.setdefault(other, []).append(("G", s.id, [rank]))
+                        out.setdefault(other, []).append((Item.GONE, s.id, [rank]))
             names = list(s.table)
             bits = 0
             for b in s.pending_bits:
@@ -632,7 +633,7 @@ class Coordinator:
     # ------------------------------------------------------------------ release
     def _announce_evictions(self, s: SetState, bits: list, out: dict) -> None:
         for g in s.ranks:
-            out.setdefault(g, []).append(("E", s.id, list(bits)))
+            out.setdefault(g, []).append((Item.EVICT, s.id, list(bits)))
 
     def _release(self, ready: list, out: dict) -> None:
         self._release_ready(ready, out)
@@ -660,7 +661,7 @@ class Coordinator:
             s.unsteady.clear()
             s.waiting.clear()
             for g in s.ranks:
-                out.setdefault(g, []).append(("D", s.id, s.epoch))
+                out.setdefault(g, []).append((Item.STEADY, s.id, s.epoch))
 
     def _release_ready(self, ready: list, out: dict) -> None:
         if not ready:
@@ -687,18 +688,19 @@ class Coordinator:
                                group_fusion=not self.settings.disable_group_fusion)
         if self.autotune is not None:
             # Autotune hook: score what was released; a new cycle time goes to every rank ahead
-            # of these responses (the engine applies ("P", ms) items).
+            # of these responses (the engine applies Item.CYCLE_TIME items).
             cycle_ms = self.autotune.observe(fused)
             if cycle_ms is not None:
                 for g in self.peers:
-                    out.setdefault(g, []).append(("P", cycle_ms))
+                    out.setdefault(g, []).append((Item.CYCLE_TIME, cycle_ms))
         hits_only: dict[int, bool] = {}
         for resp in fused:
             s = by_id[resp.process_set_id]
             bits = resp.cache_bits or []
             compact = (resp.type in CACHEABLE_TYPES and bits and all(b >= 0 for b in bits)
                        and not any((s.id, b) in self._fresh for b in bits))
-            item = ("C", s.id, tuple(bits), resp.joined) if compact else ("R", resp)
+            item = ((Item.CACHED, s.id, tuple(bits), resp.joined) if compact
+                    else (Item.RESPONSE, resp))
             hits_only[s.id] = hits_only.get(s.id, True) and compact and not resp.joined
             for g in s.ranks:
                 out.setdefault(g, []).append(item)

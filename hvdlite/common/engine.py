@@ -27,10 +27,11 @@ from typing import Any, Callable
 
 from . import collectives
 from .exceptions import HorovodInternalError
-from .backends.local import DONE
-from .messages import (ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, ADASUM_OP, BARRIER,
+from .backends.base import DONE
+from .messages import (ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER,
                        BROADCAST, ERROR, JOIN, REDUCESCATTER, REMOVE_PROCESS_SET, TYPE_NAMES,
                        Request, Response)
+from .protocol import Item, Msg
 from .response_cache import RankCache
 from .steady import STEADY_MSG, SteadySet, build_responses, gone_message
 from .wire import Channel, ProtocolError
@@ -67,28 +68,62 @@ class Handle:
             finished = self._pending <= 0
         if finished and not self._event.is_set():
             self._event.set()
+            self._fire()
 
     def _fail(self, error: str) -> None:
         with self._lock:
             if self.error is None:
                 self.error = error
             self._pending = 0
+            fire = not self._event.is_set()
         self._event.set()
+        if fire:
+            self._fire()
 
-    def wait(self, alive: Callable[[], bool] | None = None) -> list:
-        """Results of every entry, in order; raises HorovodInternalError on failure."""
-        while not self._event.wait(1.0):
+    def _fire(self) -> None:
+        """Run the completion callbacks (on the engine's thread that completed the handle)."""
+        with self._lock:
+            callbacks, self.callbacks = self.callbacks, []
+        for cb in callbacks:
+            try:
+                cb()
+            except Exception:  # a user's callback must not kill the engine's threads
+                log.exception("hvdlite: a completion callback raised")
+
+    def add_callback(self, cb: Callable[[], None]) -> None:
+        """Call `cb()` once the handle completes (at once if it already has)."""
+        with self._lock:
+            if not self._event.is_set():
+                self.callbacks.append(cb)
+                return
+        cb()
+
+    def wait(self, alive: Callable[[], bool] | None = None,
+             timeout: float | None = None) -> list:
+        """Results of every entry, in order; raises HorovodInternalError on failure, and
+        TimeoutError (leaving the handle usable) when `timeout` seconds pass first."""
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        while True:
+            step = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
+            if self._event.wait(step):
+                break
             if alive is not None and not alive():
                 if not self._event.is_set():
                     raise HorovodInternalError(
                         "the hvdlite background thread stopped before this collective finished; "
                         "see the errors above")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"collective {self.names()} did not finish within "
+                                   f"{timeout:g} s")
         release, self._release = self._release, None
         if release is not None:
             release()
         if self.error is not None:
             raise HorovodInternalError(self.error)
         return [e.result for e in self.entries]
+
+    def names(self) -> list:
+        return [e.request.name for e in self.entries[:4]]
 
 
 @dataclass(slots=True)
@@ -249,7 +284,7 @@ class Engine:
             self._close(f"hvdlite background thread failed on rank {self.rank}: {exc!r}")
         finally:
             self._transport.put(None)
-            # Closing the channel tells the coordinator this rank is gone (a crash, unless "S"
+            # Closing the channel tells the coordinator this rank is gone (a crash, unless SHUTDOWN
             # was sent first).
             self.channel.close()
             try:
@@ -320,7 +355,7 @@ class Engine:
             except OSError:
                 pass
         try:
-            self.channel.send(("S",))
+            self.channel.send((Msg.SHUTDOWN,))
         except OSError:
             pass
         self.channel.close()
@@ -369,7 +404,7 @@ class Engine:
         self.counters["coordinator_messages"] += 1
         self.counters["coordinator_tensors"] += len(entries)
         try:
-            self.channel.send(("Q", full, list(masks.items()),
+            self.channel.send((Msg.QUERY, full, list(masks.items()),
                                {sid: tags.get(sid, 0) for sid in sets}))
         except OSError as exc:
             self._close(f"rank {self.rank} could not reach the coordinator: {exc}")
@@ -384,7 +419,7 @@ class Engine:
             self.cache.evict(set_id, [e_bit])
         self.counters["coordinator_messages"] += 1
         try:
-            self.channel.send(("Q", reqs, [], {set_id: self.epochs.get(set_id, 0)}))
+            self.channel.send((Msg.QUERY, reqs, [], {set_id: self.epochs.get(set_id, 0)}))
         except OSError as exc:
             self._close(f"rank {self.rank} could not reach the coordinator: {exc}")
 
@@ -394,35 +429,35 @@ class Engine:
 
     def _on_message(self, msg) -> bool:
         kind = msg[0]
-        if kind == "R":
+        if kind == Msg.RESPONSES:
             for item in msg[1]:
                 tag = item[0]
-                if tag == "R":
+                if tag == Item.RESPONSE:
                     self._execute(item[1])
-                elif tag == "C":
+                elif tag == Item.CACHED:
                     _, set_id, bits, joined = item
                     self._execute(self.cache.expand(set_id, bits, joined))
-                elif tag == "E":
+                elif tag == Item.EVICT:
                     st = self.steady.get(item[1])
                     if st is not None:
                         st.deferred.append(item[2])   # applied once this rank falls back
                     else:
                         self.cache.evict(item[1], item[2])
-                elif tag == "D":
+                elif tag == Item.STEADY:
                     self._enter_steady(item[1], item[2])
-                elif tag == "Y":
+                elif tag == Item.TAKE_BACK:
                     self._take_back(item[1], item[2], item[3])
-                elif tag == "G":
+                elif tag == Item.GONE:
                     self._steady_gone(item[1], item[2])
-                elif tag == "B":
+                elif tag == Item.RESEND:
                     self._resend(item[1], item[2])
-                elif tag == "P":
+                elif tag == Item.CYCLE_TIME:
                     # Autotune hook: the coordinator's tuner set a new cycle time (ms).
                     self.cycle_s = max(float(item[1]), 0.0) / 1000.0
                 if self._closed is not None:
                     return False
             return True
-        if kind == "F":
+        if kind == Msg.FATAL:
             self._close(msg[1])
             return False
         return True
@@ -484,7 +519,7 @@ class Engine:
         released = st.finish_round(common & st.round_bits)
         if st.reported:
             st.reported = False
-            self._send_coordinator(("W", st.set_id, st.epoch, [], 0.0))
+            self._send_coordinator((Msg.STEADY_WAIT, st.set_id, st.epoch, [], 0.0))
         if released:
             self.counters["steady_released"] += len(released)
             threshold = self.settings.fusion_threshold
@@ -505,7 +540,7 @@ class Engine:
         self.counters["steady_fallbacks"] += 1
         for bits in st.deferred:
             self.cache.evict(st.set_id, bits)
-        self._send_coordinator(("U", st.set_id, st.epoch))
+        self._send_coordinator((Msg.STEADY_LEFT, st.set_id, st.epoch))
         entries = list(st.pending.values()) + st.held
         if entries:
             self._send_entries(entries, self.epochs)
@@ -562,7 +597,7 @@ class Engine:
                 st.reported = True
                 names = [e.request.name for e in st.pending.values()]
                 names += [e.request.name for e in st.held]
-                self._send_coordinator(("W", st.set_id, st.epoch, names,
+                self._send_coordinator((Msg.STEADY_WAIT, st.set_id, st.epoch, names,
                                         now - st.round_started))
 
     def _send_coordinator(self, msg) -> None:
@@ -583,7 +618,7 @@ class Engine:
                 sock = socket.create_connection((addr, port), timeout=30)
                 sock.settimeout(None)
                 ch = Channel(sock, self.key)
-                ch.send(("P", self.rank))
+                ch.send((Msg.PEER_HELLO, self.rank))
             except OSError as exc:
                 self._report_failure(
                     f"rank {self.rank} could not open a control connection to rank {g} at "
@@ -752,7 +787,7 @@ class Engine:
 
     def _report_failure(self, message: str) -> None:
         try:
-            self.channel.send(("X", message))
+            self.channel.send((Msg.FAILED, message))
         except OSError:
             pass
         self._close(message)

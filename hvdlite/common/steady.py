@@ -10,7 +10,7 @@ so no transport call of gloo or MPI is spent on it and nothing waits in a blocki
 
 The protocol, per process set (every rank of the set runs it; rank 0 is not special):
 
-1. Entering. The coordinator sends ``("D", set, epoch, nbits)`` on the ordered response stream of
+1. Entering. The coordinator sends ``("D", set, epoch)`` on the ordered response stream of
    every member once the set is quiet (no table entry, no pending bit, nobody joined, no open
    group) and its last release was all cache hits. Every rank therefore enters the steady state
    for the set at the same point of that stream: after every response released before it.
@@ -36,13 +36,13 @@ The protocol, per process set (every rank of the set runs it; rank 0 is not spec
    negotiation then runs exactly as before, with every cross-rank check and error message it
    has. Cache evictions the coordinator announces while a rank is still steady wait until it
    has fallen back. The coordinator answers a message tagged with an older epoch (sent before
-   the sender saw "D") with ``("Y", set, names)``: the rank takes those tensors back into
+   the sender saw "D") with ``("Y", set, names, bits)``: the rank takes those tensors back into
    whichever mode it is in now. A new "D" for the set is only sent once every member's "U" of
    the previous epoch has arrived.
 5. Stalls and ends. A rank that has waited in a round longer than a report interval sends the
    coordinator ``("W", set, epoch, names, waited_s)`` (and an empty one once released), so the
    stall inspector names the ranks that have not submitted, as before. A rank that shuts down
-   makes the coordinator send ``("G", set, message)`` to the others: their steady entries fail
+   makes the coordinator send ``("G", set, [rank])`` to the others: their steady entries fail
    with the same "already called hvd.shutdown()" message as in full negotiation.
 
 Cost per cycle at any rank: O(log N) messages of O(cache bits) bytes and O(bits) local work;
@@ -57,8 +57,9 @@ from typing import Any, Callable
 
 from .fusion import fuse_responses
 from .messages import Response
+from .protocol import Msg
 
-STEADY_MSG = "K"
+STEADY_MSG = Msg.ROUND
 
 
 def gone_message(gone: list, what: str) -> str:
