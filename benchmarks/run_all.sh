@@ -26,3 +26,7 @@ if [ -x .venv/bin/mpiexec ]; then
   .venv/bin/mpiexec -n 2 "$PY" benchmarks/allreduce.py \
       --json "$OUT/allreduce_mpi.json" --plot "$OUT/allreduce_mpi.png"
 fi
+echo "== control plane, simulated 2-512 ranks"
+"$PY" benchmarks/control_plane.py --json "$OUT/control_plane.json"
+echo "== GPU (NCCL), or its CPU fallback without a GPU"
+PYTHON="$PY" bash benchmarks/gpu.sh "$OUT"
