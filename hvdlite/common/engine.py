@@ -187,6 +187,7 @@ class Engine:
         if peer_listener is not None:
             peer_listener.setblocking(False)
             self._sel.register(peer_listener, selectors.EVENT_READ, "listen")
+        self._releasing = False
         self._report_after = max(0.05, min(1.0, settings.stall_warning_s / 4))
         self.counters = {"coordinator_messages": 0, "coordinator_tensors": 0,
                          "steady_entered": 0, "steady_rounds": 0, "steady_released": 0,
@@ -287,6 +288,13 @@ class Engine:
             # Closing the channel tells the coordinator this rank is gone (a crash, unless SHUTDOWN
             # was sent first).
             self.channel.close()
+            for ch in self._peer_out.values():
+                ch.close()
+            if self._listener is not None:
+                try:
+                    self._listener.close()
+                except OSError:
+                    pass
             try:
                 self._sel.close()
                 self._wake_r.close()
@@ -338,6 +346,8 @@ class Engine:
                 if not self._on_message(msg):
                     return
             if self.steady:
+                for st in list(self.steady.values()):
+                    self._steady_kick(st)      # rounds held back while another released
                 self._steady_reports()
             if eof:
                 self._close(self._closed or
@@ -489,7 +499,9 @@ class Engine:
             st.fallback = True
 
     def _steady_kick(self, st: SteadySet) -> None:
-        if not st.wants_round():
+        # Not while a round's responses are being launched: a round started (and finished) from
+        # inside would launch its collectives before the rest of the round's, out of order.
+        if self._releasing or not st.wants_round():
             return
         rnd = st.start_round(lambda idx, k, tag, value: self._peer_send(
             st.ranks[idx], (STEADY_MSG, st.set_id, st.epoch, k, tag, value[0], value[1])),
@@ -523,11 +535,15 @@ class Engine:
         if released:
             self.counters["steady_released"] += len(released)
             threshold = self.settings.fusion_threshold
-            for resp in build_responses(self.cache, st.set_id, [b for b, _ in released],
-                                        threshold, not self.settings.disable_group_fusion):
-                self._execute(resp)
-                if self._closed is not None:
-                    return
+            self._releasing = True
+            try:
+                for resp in build_responses(self.cache, st.set_id, [b for b, _ in released],
+                                            threshold, not self.settings.disable_group_fusion):
+                    self._execute(resp)
+                    if self._closed is not None:
+                        return
+            finally:
+                self._releasing = False
         if fallback:
             self._fall_back(st)
         else:
@@ -708,6 +724,15 @@ class Engine:
                 if comm is not None:
                     comm.close()
             self.cache.drop_set(sid)
+            with self._lock:
+                st = self.steady.pop(sid, None)
+            if st is not None:
+                for e in list(st.pending.values()) + st.held:
+                    with self._lock:
+                        self._inflight.pop((sid, e.request.name), None)
+                    e.handle._complete_one(
+                        f"remove_process_set: process set {sid} still had '{e.request.name}' "
+                        f"in flight on rank {self.rank}; synchronize it first.")
             for e in entries:
                 if e is not None:
                     e.result = sid
