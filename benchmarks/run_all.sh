@@ -26,6 +26,12 @@ if [ -x .venv/bin/mpiexec ]; then
   .venv/bin/mpiexec -n 2 "$PY" benchmarks/allreduce.py \
       --json "$OUT/allreduce_mpi.json" --plot "$OUT/allreduce_mpi.png"
 fi
+for np in 1 2 4; do
+  echo "== ZeRO sharding (memory, step time), $np rank(s), gloo"
+  .venv/bin/hvdlite-run -np "$np" "$PY" benchmarks/zero.py --json "$OUT/zero_np$np.json"
+done
+echo "== gradient compression (bytes, step time, final loss), 2 ranks, gloo"
+.venv/bin/hvdlite-run -np 2 "$PY" benchmarks/compression.py --json "$OUT/compression_np2.json"
 echo "== control plane, simulated 2-512 ranks"
 "$PY" benchmarks/control_plane.py --json "$OUT/control_plane.json"
 echo "== GPU (NCCL), or its CPU fallback without a GPU"

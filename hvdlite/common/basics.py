@@ -96,6 +96,7 @@ def init(comm=None, process_sets=None) -> None:
                 if not isinstance(ps, ProcessSet) or ps.ranks is None:
                     raise ValueError("init(process_sets=...) takes a list of ProcessSet built "
                                      "from rank lists, or 'dynamic'")
+            _check_distinct_sets(static)
         transport = select.choose_transport(comm)
         world = select.mpi_world(transport, comm)
         ident = mpi_backend.identity(world) if world is not None else rendezvous.identify()
@@ -289,6 +290,18 @@ def engine_counters() -> dict:
 
 
 # ---------------------------------------------------------------------- process sets
+def _check_distinct_sets(sets: list) -> None:
+    """Horovod refuses the same ranks twice in init(process_sets=...), on every rank (the
+    list is the same everywhere, so every rank decides alike without communicating)."""
+    seen: dict = {}
+    for i, ps in enumerate(sets):
+        key = tuple(ps.ranks)
+        if key in seen:
+            raise ValueError(f"init(process_sets=...): process sets {seen[key]} and {i} both hold "
+                             f"ranks {list(key)}; pass each process set once")
+        seen[key] = i
+
+
 def find_process_set(ranks) -> Optional[ProcessSet]:
     """The registered process set with exactly these global ranks (any order), or None."""
     state = _require()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from . import collectives
-from .exceptions import HorovodInternalError
+from .exceptions import HorovodInternalError, HorovodMismatchError
 from .backends.base import DONE
 from .messages import (ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER,
                        BROADCAST, ERROR, JOIN, REDUCESCATTER, REMOVE_PROCESS_SET, TYPE_NAMES,
@@ -46,7 +46,8 @@ SHUT_DOWN_MESSAGE = ("Horovod has been shut down. This was caused by an exceptio
 class Handle:
     """Completion of one enqueue call (one or more tensors)."""
 
-    __slots__ = ("_event", "_pending", "entries", "error", "_lock", "callbacks", "_release")
+    __slots__ = ("_event", "_pending", "entries", "error", "_lock", "callbacks", "_release",
+                 "mismatch")
 
     def __init__(self, entries: list):
         self._event = threading.Event()
@@ -54,6 +55,7 @@ class Handle:
         self._lock = threading.Lock()
         self.entries = entries
         self.error: str | None = None
+        self.mismatch = False       # the error is the coordinator's (ranks disagreed)
         self.callbacks: list[Callable] = []
         self._release: Callable[[], None] | None = None   # frees the names once waited for
 
@@ -64,6 +66,7 @@ class Handle:
         with self._lock:
             if error and self.error is None:
                 self.error = error
+                self.mismatch = True
             self._pending -= 1
             finished = self._pending <= 0
         if finished and not self._event.is_set():
@@ -119,7 +122,7 @@ class Handle:
         if release is not None:
             release()
         if self.error is not None:
-            raise HorovodInternalError(self.error)
+            raise (HorovodMismatchError if self.mismatch else HorovodInternalError)(self.error)
         return [e.result for e in self.entries]
 
     def names(self) -> list:

@@ -38,7 +38,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from hvdlite.common.elastic import HostUpdateResult
 from hvdlite.runner.control import ControlServer, WorkerConnection
@@ -47,8 +47,8 @@ from hvdlite.runner.discovery import (DEFAULT_INTERVAL_S, Blacklist, DiscoveryEr
 from hvdlite.runner.driver import (REMOTE_TERMINATE_GRACE_S, TERMINATE_GRACE_S, Rendezvous,
                                    exit_description, shell_exit_code)
 from hvdlite.runner.hosts import is_local_host
-from hvdlite.runner.local import (SSHSettings, find_command, kill, remote_host, spawner_for,
-                                  terminate)
+from hvdlite.runner.local import (Spawner, SSHSettings, find_command, kill, remote_host,
+                                  spawner_for, terminate)
 from hvdlite.runner.output import Console, RankOutput
 from hvdlite.runner.worker_env import elastic_env
 
@@ -74,6 +74,9 @@ class ElasticSpec:
     name: str = "hvdlite-run"
     ssh: SSHSettings = field(default_factory=SSHSettings)
     discovery_interval: float = DEFAULT_INTERVAL_S
+    # host -> how to start a worker there; None: this machine directly, others over ssh.
+    # hvdlite.ray plugs in Ray actors here (with its own discovery and rendezvous).
+    spawner: Optional[Callable[[str], Spawner]] = None
 
 
 @dataclass
@@ -167,7 +170,8 @@ class ElasticDriver:
             self._say(f"elastic: {exc}")
             return ElasticResult(exit_code=EXIT_STOPPED, message=str(exc))
         self._on_hosts(first, announce=False)
-        if any(is_local_host(h) for h in first) and find_command(spec.command[0]) is None:
+        if spec.spawner is None and any(is_local_host(h) for h in first) \
+                and find_command(spec.command[0]) is None:
             program = spec.command[0]
             if os.sep in program and os.path.exists(program):
                 self._say(f"command {program!r} is not an executable file")
@@ -541,7 +545,8 @@ class ElasticDriver:
                           self.server.port, spec.start_timeout, self.rdv.key.hex(), spec.nics)
         self._verbose(f"elastic: starting worker {wid}: {' '.join(spec.command)}")
         try:
-            proc = spawner_for(host, spec.ssh)(spec.command, env)
+            spawn = spec.spawner(host) if spec.spawner is not None else spawner_for(host, spec.ssh)
+            proc = spawn(spec.command, env)
         except OSError as exc:
             # The command cannot run here at all: retrying elsewhere will not help.
             self._stop(f"elastic: cannot start worker {wid}: {spec.command[0]}: {exc.strerror}",

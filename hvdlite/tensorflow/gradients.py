@@ -74,6 +74,11 @@ class GradientReducer:
                  op=Average, gradient_predivide_factor: float = 1.0, groups=None,
                  process_set=global_process_set, scale_local_gradients: bool = True):
         self.kind = kind
+        if isinstance(compression, type) and getattr(compression, "stateful", False):
+            compression = compression()   # per-tensor state (residuals) belongs to this reducer
+        if getattr(compression, "stateful", False) and groups is not None:
+            raise ValueError("stateful compression (int8, powersgd) reduces tensor by tensor; "
+                             "do not pass groups/num_groups with it")
         self.compression = compression
         self.sparse_as_dense = sparse_as_dense
         self.op = op
@@ -162,6 +167,9 @@ class GradientReducer:
     def _reduce_now(self, grads, dense, sparse, variables, base, cacheable) -> dict:
         set_id = _ops._set_id(self.process_set)
         _ops._check_graph(f"{self.kind} (gradient allreduce)")
+        if getattr(self.compression, "stateful", False) and dense:
+            return self._reduce_stateful(grads, dense, sparse, variables, base, cacheable,
+                                         set_id)
         compressed, ctxs = [], []
         for i in dense:
             g = tf.convert_to_tensor(grads[i])
@@ -231,6 +239,51 @@ class GradientReducer:
             result[i] = tf.IndexedSlices(outs[nd + k], outs[nd + ns + k],
                                          dense_shape=grads[i].dense_shape)
         return result
+
+    def _reduce_stateful(self, grads, dense, sparse, variables, base, cacheable, set_id) -> dict:
+        """Dense gradients through a stateful compressor (int8 / PowerSGD, which keep residuals
+        per tensor and run their own collectives on the engine's torch tensors); sparse ones as
+        usual. The compressor's state is keyed by the gradient's wire name, stable across steps
+        (call site in eager mode, graph-unique name under tf.function)."""
+        comp, op, ps = self.compression, self.op, self.process_set
+        xs = []
+        for i in dense:
+            g = tf.convert_to_tensor(grads[i])
+            if not g.dtype.is_floating:
+                name = getattr(variables[i], "name", f"gradient {i}")
+                raise TypeError(f"{type(comp).__name__} cannot compress the gradient of "
+                                f"'{name}' of dtype {g.dtype.name}: floating-point only; use "
+                                f"Compression.none")
+            xs.append(g)
+        result = {}
+        if sparse:
+            result.update(GradientReducer._reduce_plain(self, grads, sparse, variables, base,
+                                                        cacheable))
+
+        def fn(*ys):
+            ranks = _ops._set_ranks(set_id)
+            if _basics.rank() not in ranks or len(ranks) == 1:
+                return list(ys)
+            from ..torch.stateful_compression import drive_all
+            pend = [comp.reduce_async(_ops._to_torch(y), f"{base}.grad_{i}", op=op,
+                                      process_set=ps) for y, i in zip(ys, dense)]
+            drive_all(pend)
+            return [_ops._to_tf(p.result().contiguous()) for p in pend]
+
+        outs = _ops._run("HorovodAllreduceGradients", fn, xs, [x.dtype for x in xs],
+                         [x.shape for x in xs])
+        for k, i in enumerate(dense):
+            result[i] = outs[k]
+        return result
+
+    def _reduce_plain(self, grads, sparse, variables, base, cacheable) -> dict:
+        """Sparse gradients only, without compression (used beside a stateful compressor)."""
+        saved = self.compression
+        self.compression = Compression.none
+        try:
+            return self._reduce_now(grads, [], sparse, variables, base + ".sparse", cacheable)
+        finally:
+            self.compression = saved
 
 
 __all__ = ["GradientReducer", "split_list", "var_ref", "call_site", "check_reduce_args"]
