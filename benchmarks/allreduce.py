@@ -100,9 +100,16 @@ def main():
             a.append(timed(hv, n))
             b.append(timed(rw, n))
         ta, tb = statistics.median(a), statistics.median(b)
+        # Spread: raw/hvdlite time of each alternating round (timed back to back).
+        per_round = [y / x for x, y in zip(a, b)]
         rows.append({"bytes": nbytes, "hvdlite_us": ta * 1e6, "raw_us": tb * 1e6,
                      "hvdlite_busbw_GBs": bus * nbytes / ta / 1e9,
-                     "raw_busbw_GBs": bus * nbytes / tb / 1e9, "ratio_bw": tb / ta})
+                     "raw_busbw_GBs": bus * nbytes / tb / 1e9, "ratio_bw": tb / ta,
+                     "ratio_bw_min": min(per_round), "ratio_bw_max": max(per_round),
+                     "hvdlite_busbw_min": bus * nbytes / max(a) / 1e9,
+                     "hvdlite_busbw_max": bus * nbytes / min(a) / 1e9,
+                     "raw_busbw_min": bus * nbytes / max(b) / 1e9,
+                     "raw_busbw_max": bus * nbytes / min(b) / 1e9})
         nbytes *= 4
 
     # Many small tensors: fusion against one-by-one on the raw transport.
@@ -128,20 +135,26 @@ def main():
         a.append(timed(hv_many, 3))
         b.append(timed(raw_many, 3))
     many = {"tensors": len(tensors), "bytes": total, "hvdlite_ms": statistics.median(a) * 1e3,
-            "raw_one_by_one_ms": statistics.median(b) * 1e3}
+            "raw_one_by_one_ms": statistics.median(b) * 1e3,
+            "speedup_min": min(y / x for x, y in zip(a, b)),
+            "speedup_max": max(y / x for x, y in zip(a, b))}
     many["speedup"] = many["raw_one_by_one_ms"] / many["hvdlite_ms"]
 
     if hvd.rank() == 0:
         print(f"allreduce, {size} ranks, {raw.name}, median of {args.rounds} rounds")
+        print("(ratios: median over alternating rounds; spread = min-max of the per-round "
+              "ratios; latency ratio = hvdlite time / raw time)")
         print(f"{'bytes':>10} {'hvdlite us':>11} {'raw us':>10} {'hvdlite GB/s':>13} "
-              f"{'raw GB/s':>9} {'hvdlite/raw bw':>15}")
+              f"{'raw GB/s':>9} {'hvdlite/raw bw':>15} {'spread':>11} {'latency x':>9}")
         for r in rows:
             print(f"{r['bytes']:>10} {r['hvdlite_us']:>11.1f} {r['raw_us']:>10.1f} "
                   f"{r['hvdlite_busbw_GBs']:>13.3f} {r['raw_busbw_GBs']:>9.3f} "
-                  f"{r['ratio_bw']:>15.2f}")
+                  f"{r['ratio_bw']:>15.2f} {r['ratio_bw_min']:>5.2f}-{r['ratio_bw_max']:<5.2f} "
+                  f"{r['hvdlite_us'] / r['raw_us']:>9.2f}")
         print(f"{many['tensors']} tensors of 4-256 KiB ({total / 2**20:.1f} MiB): hvdlite fused "
               f"{many['hvdlite_ms']:.1f} ms, raw one by one {many['raw_one_by_one_ms']:.1f} ms, "
-              f"speedup {many['speedup']:.2f}x")
+              f"speedup {many['speedup']:.2f}x (spread {many['speedup_min']:.2f}-"
+              f"{many['speedup_max']:.2f})")
         result = {"ranks": size, "transport": raw.name, "sizes": rows, "many_small": many}
         if args.json:
             with open(args.json, "w") as f:
@@ -161,11 +174,16 @@ def plot(rows, path: str, size: int, transport: str) -> None:
         return
     x = [r["bytes"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(x, [r["hvdlite_busbw_GBs"] for r in rows], "o-", label="hvdlite")
-    ax.plot(x, [r["raw_busbw_GBs"] for r in rows], "s--", label=f"raw {transport}")
+    ax.plot(x, [r["hvdlite_busbw_GBs"] for r in rows], "o-", label="hvdlite (median)")
+    ax.fill_between(x, [r["hvdlite_busbw_min"] for r in rows],
+                    [r["hvdlite_busbw_max"] for r in rows], alpha=0.2)
+    ax.plot(x, [r["raw_busbw_GBs"] for r in rows], "s--", label=f"raw {transport} (median)")
+    ax.fill_between(x, [r["raw_busbw_min"] for r in rows], [r["raw_busbw_max"] for r in rows],
+                    alpha=0.2)
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("bytes")
-    ax.set_ylabel("bus bandwidth, GB/s")
+    ax.set_ylabel("bus bandwidth, GB/s (band: min-max of rounds)")
     ax.set_title(f"allreduce, {size} ranks, {transport}")
     ax.legend()
     fig.tight_layout()

@@ -104,17 +104,20 @@ def main():
                          "local_median_ms": statistics.median(local_times) * 1e3}
         results[name]["ratio"] = (results[name]["hvdlite_median_ms"]
                                   / results[name]["ddp_median_ms"])
+        # The spread: hvdlite/DDP of each alternating round (both timed back to back).
+        per_round = [h / d for h, d in zip(hv_times, ddp_times)]
+        results[name]["ratio_min"], results[name]["ratio_max"] = min(per_round), max(per_round)
     if rank == 0:
         transport = "mpi" if hvd.mpi_enabled() else "gloo"
         print(f"training step, {size} ranks, hvdlite over {transport}, DDP over gloo, "
               f"{args.threads} thread(s) each, {args.rounds} rounds x {args.steps} steps "
-              f"(median ms/step)")
+              f"(median ms/step; ratio spread = min-max of the per-round ratios)")
         print(f"{'model':<12} {'params':>10} {'hvdlite':>10} {'torch DDP':>10} {'no comm':>10} "
-              f"{'hvdlite/DDP':>12}")
+              f"{'hvdlite/DDP':>12} {'spread':>12}")
         for name, r in results.items():
             print(f"{name:<12} {r['params']:>10,} {r['hvdlite_median_ms']:>10.2f} "
                   f"{r['ddp_median_ms']:>10.2f} {r['local_median_ms']:>10.2f} "
-                  f"{r['ratio']:>12.2f}")
+                  f"{r['ratio']:>12.2f} {r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ranks": size, "threads": args.threads, "transport": transport,
@@ -139,10 +142,15 @@ def plot(results: dict, path: str, size: int, transport: str) -> None:
     for i, (key, label) in enumerate((("hvdlite_median_ms", f"hvdlite ({transport})"),
                                       ("ddp_median_ms", "torch DDP (gloo)"),
                                       ("local_median_ms", "no communication"))):
-        ax.bar([x + (i - 1) * 0.27 for x in xs], [results[n][key] for n in names], 0.27,
-               label=label)
+        raw = {"hvdlite_median_ms": "hvdlite_s", "ddp_median_ms": "ddp_s",
+               "local_median_ms": "local_s"}[key]
+        med = [results[n][key] for n in names]
+        lo = [m - min(results[n][raw]) * 1e3 for m, n in zip(med, names)]
+        hi = [max(results[n][raw]) * 1e3 - m for m, n in zip(med, names)]
+        ax.bar([x + (i - 1) * 0.27 for x in xs], med, 0.27, label=label, yerr=[lo, hi],
+               capsize=3)   # error bars: min-max over the rounds
     ax.set_xticks(list(xs), names)
-    ax.set_ylabel("ms per training step (median)")
+    ax.set_ylabel("ms per training step (median, bars: min-max)")
     ax.set_title(f"training step, {size} ranks")
     ax.legend()
     fig.tight_layout()

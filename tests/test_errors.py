@@ -56,3 +56,17 @@ def test_op_before_init_is_a_clear_error():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60).stdout
     assert "Horovod has not been initialized; use hvd.init()." in out
+
+
+@pytest.mark.timeout(120)
+def test_stall_in_the_steady_state_names_the_rank():
+    """Cached tensors are released without the coordinator; a rank that stops submitting is
+    still named by the stall inspector, and the job still shuts down."""
+    env = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "4"}
+    res = spawn_ranks("steady_stall.py", np=2, env=env, timeout=90)
+    for r in range(2):
+        assert res[r].returncode == 0, res[r].stdout + res[r].stderr
+    line = [x for x in res[0].stdout.splitlines() if x.startswith("RAISED")][0]
+    assert "rank 1 has not submitted: ['steady.g0']" in line, line
+    assert float(line.split()[1]) < 11, line
+    assert "has not submitted" in res[0].stderr  # the warning before the shutdown

@@ -176,8 +176,13 @@ def _join(state: "_State", ident, world, settings: Settings, dynamic: bool, stat
     else:
         host, port = _share_address(ident, store, prefix, port, settings)
     sock = _connect(host, int(port), deadline)
+    # Steady-state rounds travel on direct connections between ranks (steady.py).
+    peer_listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    peer_listener.bind(("0.0.0.0", 0))
+    peer_listener.listen(128)
     hello = (Msg.HELLO, {"rank": ident.rank, "size": ident.size, "hostname": ident.hostname,
                          "pid": os.getpid(), "dynamic": dynamic,
+                         "peer_port": peer_listener.getsockname()[1],
                          "process_sets": [ps.ranks for ps in static]})
     wait_s = max(1.0, deadline - time.monotonic()) + 5.0
     try:
@@ -186,6 +191,7 @@ def _join(state: "_State", ident, world, settings: Settings, dynamic: bool, stat
         channel = client_handshake(sock, key, hello, wait_s)
     except (OSError, ConnectionError, ProtocolError) as exc:
         sock.close()
+        peer_listener.close()
         raise HorovodInternalError(f"rank {ident.rank} could not join the job: the "
                                    f"coordinator at {host}:{port} refused or dropped the "
                                    f"connection ({exc}); do all ranks share the job "
@@ -194,9 +200,11 @@ def _join(state: "_State", ident, world, settings: Settings, dynamic: bool, stat
         reply = channel.recv_blocking(wait_s)
     except (OSError, ConnectionError) as exc:
         channel.close()
+        peer_listener.close()
         raise HorovodInternalError(f"rank {ident.rank} could not join the job: {exc}") from exc
     if reply[0] == Msg.FATAL:
         channel.close()
+        peer_listener.close()
         raise HorovodInternalError(reply[1])
     topo = reply[1]
     state.topology = topo
@@ -212,7 +220,8 @@ def _join(state: "_State", ident, world, settings: Settings, dynamic: bool, stat
                                   rank=ident.rank, timeout_s=settings.gloo_timeout_s)
     state.engine = Engine(rank=ident.rank, size=ident.size, settings=settings,
                           channel=channel, comm_factory=factory, set_ranks=set_ranks,
-                          timeline=timeline)
+                          timeline=timeline, peer_listener=peer_listener, key=key,
+                          peers=topo.get("peers"))
     state.transport = transport
 
 
@@ -345,6 +354,12 @@ def _set_ranks(set_id: int) -> list:
 
 def engine() -> Engine:
     return _require().engine
+
+
+def engine_counters() -> dict:
+    """This rank's engine counters: messages to the coordinator, steady-state rounds and the
+    tensors they released, fallbacks to full negotiation (tests and benchmarks read them)."""
+    return dict(_require().engine.counters)
 
 
 # ---------------------------------------------------------------------- process sets

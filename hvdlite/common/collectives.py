@@ -68,6 +68,11 @@ def scale_(t: torch.Tensor, factor: float) -> None:
         t.copy_((t.to(torch.float64) * factor).to(t.dtype))
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                       and a.dtype == b.dtype and a.device == b.device))
+
+
 def _on(comm, t: torch.Tensor) -> bool:
     return t.device.type == comm.device
 
@@ -92,7 +97,9 @@ class Executor:
         names = resp.names
         if len(inputs) == 1 and outputs[0] is not None and _on(comm, outputs[0]):
             out, src = outputs[0], inputs[0]
-            if src is not out:
+            # In-place calls hand the same storage in as two tensor objects: comparing objects
+            # copied a 64 MiB gradient onto itself before every transfer.
+            if not _same_memory(src, out):
                 out.copy_(src)
             scale_(out, resp.prescale)
             self._tl(names, "ALLREDUCE")
@@ -266,7 +273,7 @@ class Executor:
         root = resp.root_rank
         if len(inputs) == 1 and _on(comm, outputs[0]):
             out = outputs[0]
-            if comm.rank == root and inputs[0] is not out:
+            if comm.rank == root and not _same_memory(inputs[0], out):
                 out.copy_(inputs[0])
             self._tl(resp.names, "BROADCAST")
             yield comm.broadcast(as_bytes(out), root)

@@ -51,6 +51,9 @@ class Settings:
     fusion_threshold: int = 128 * 1024 * 1024   # bytes
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
+    # The decentralised steady state (steady.py); HVDLITE_STEADY_STATE=0 keeps every cycle on
+    # the coordinator.
+    steady_state: bool = True
     stall_check_disable: bool = False
     stall_warning_s: float = 60.0
     # Horovod never shuts down on a stall (0). A silent hang is the top complaint of its users, so
@@ -83,6 +86,7 @@ class Settings:
         s.fusion_threshold = env_int("FUSION_THRESHOLD", s.fusion_threshold)
         s.cycle_time_ms = env_float("CYCLE_TIME", s.cycle_time_ms)
         s.cache_capacity = env_int("CACHE_CAPACITY", s.cache_capacity)
+        s.steady_state = env_bool("STEADY_STATE", True)
         s.stall_check_disable = env_bool("STALL_CHECK_DISABLE", False)
         s.stall_warning_s = env_float("STALL_CHECK_TIME_SECONDS", s.stall_warning_s)
         s.stall_shutdown_s = env_float("STALL_SHUTDOWN_TIME_SECONDS", s.stall_shutdown_s)

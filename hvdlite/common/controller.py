@@ -6,6 +6,13 @@ across ranks (negotiation.py), releases cached tensors by a bit-vector AND (resp
 all process sets, every rank executes its collectives in one global order, so overlapping process
 sets cannot deadlock. The event-driven loop answers as soon as a tensor is ready on every rank
 instead of waiting for the next cycle.
+
+Once a set is quiet and its tensors come back as cache hits, the coordinator hands the set to
+the ranks ("D", steady.py): they release cached tensors among themselves, and the coordinator
+sees the set again only for first sight, changes, errors, joins, stalls ("W") and shutdowns.
+Messages are tagged with the sender's last steady epoch per set; one sent before the sender saw
+the latest "D" goes back to it ("Y") instead of into the table, so the two ways of releasing a
+set never interleave differently on different ranks.
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ from .protocol import Item, Msg
 from .rendezvous import server_handshake
 from .response_cache import CoordinatorCache
 from .stall import StallInspector
+from .steady import gone_message
 from .wire import Channel, ProtocolError
 
 log = logging.getLogger("hvdlite")
@@ -47,6 +55,11 @@ class SetState:
     last_joined: int = -1
     groups: dict = field(default_factory=dict)    # group -> [Response] released together
     gone: set = field(default_factory=set)        # set ranks that shut down
+    epoch: int = 0                                # steady-state epochs handed out ("D")
+    steady: bool = False                          # the ranks release cached tensors themselves
+    unsteady: set = field(default_factory=set)    # set ranks that fell back from `epoch` ("U")
+    waiting: dict = field(default_factory=dict)   # set rank -> (since, names) waiting in a round
+    all_hits: bool = False                        # this round released only cache hits
 
     def __post_init__(self):
         self.index = {g: i for i, g in enumerate(self.ranks)}
@@ -99,6 +112,7 @@ class Coordinator:
         self._evicted: list = []                    # (set, bits) retired while releasing
         self._fresh: set[tuple[int, int]] = set()   # (set id, bit) announced in this round
         self._group_sizes: dict[tuple[int, str], int] = {}
+        self.messages_handled = 0                   # every message from a rank (benchmarks)
         # Autotune hook: None unless HOROVOD_AUTOTUNE=1 (see autotune.py).
         self.autotune = autotune.create(settings)
         # Elastic init: returns a reason when the driver aborted this round (a member died).
@@ -305,6 +319,13 @@ class Coordinator:
             hosts.setdefault(h["hostname"], []).append(h["rank"])
         host_order = list(hosts)
         local_sizes = [len(hosts[name]) for name in host_order]
+        peers = {}
+        for r in range(self.size):
+            try:
+                addr = self.peers[r].channel.sock.getpeername()[0]
+            except OSError:
+                addr = "127.0.0.1"
+            peers[r] = (self.peers[r].hostname, addr, self.peers[r].hello.get("peer_port", 0))
         for h in hellos:
             members = hosts[h["hostname"]]
             local_rank = members.index(h["rank"])
@@ -317,6 +338,7 @@ class Coordinator:
                 "homogeneous": len(set(local_sizes)) == 1,
                 "process_set_ids": set_ids,
                 "hosts": {r: self.peers[r].hostname for r in range(self.size)},
+                "peers": peers,
             }
             self.peers[h["rank"]].channel.send((Msg.TOPOLOGY, topo))
         interval = straggler.interval_from_env()
@@ -412,18 +434,49 @@ class Coordinator:
     # ------------------------------------------------------------------ messages
     def _handle(self, rank: int, msg, out: dict) -> None:
         kind = msg[0]
+        self.messages_handled += 1
         if kind == Msg.QUERY:
-            _, requests, hits = msg
+            requests, hits = msg[1], msg[2]
+            tags = msg[3] if len(msg) > 3 else {}
             now = time.monotonic()
             self._last_seen[rank] = (now, requests, hits)
             if self.straggler is not None:
                 self.straggler.submitted(rank, now)
             ready: list[tuple[SetState, Response]] = []
+            bounced: dict[int, tuple[list, list]] = {}
             for req in requests:
+                if self._sent_before_steady(rank, req.process_set_id, tags):
+                    bounced.setdefault(req.process_set_id, ([], []))[0].append(req.name)
+                    continue
                 self._on_request(rank, req, ready, out)
             for set_id, mask in hits:
+                if self._sent_before_steady(rank, set_id, tags):
+                    bits = bounced.setdefault(set_id, ([], []))[1]
+                    while mask:
+                        low = mask & -mask
+                        mask ^= low
+                        bits.append(low.bit_length() - 1)
+                    continue
                 self._on_hits(rank, set_id, mask, ready, out)
+            for set_id, (names, bits) in bounced.items():
+                out.setdefault(rank, []).append((Item.TAKE_BACK, set_id, names, bits))
             self._release(ready, out)
+        elif kind == Msg.STEADY_LEFT:
+            s = self.sets.get(msg[1])
+            if s is not None and s.steady and msg[2] == s.epoch and rank in s.index:
+                s.unsteady.add(s.index[rank])
+                s.waiting.pop(s.index[rank], None)
+                if len(s.unsteady) == len(s.ranks):
+                    s.steady = False
+                    s.unsteady.clear()
+                    s.waiting.clear()
+        elif kind == Msg.STEADY_WAIT:
+            s = self.sets.get(msg[1])
+            if s is not None and s.steady and msg[2] == s.epoch and rank in s.index:
+                if msg[3]:
+                    s.waiting[s.index[rank]] = (time.monotonic() - msg[4], list(msg[3]))
+                else:
+                    s.waiting.pop(s.index[rank], None)
         elif kind == Msg.SHUTDOWN:
             self._on_shutdown(rank, out)
         elif kind == Msg.FAILED:
@@ -431,6 +484,12 @@ class Coordinator:
         elif kind == Msg.TIMELINE:
             if self.timeline is not None:
                 self.timeline.control(*msg[1:])
+
+    def _sent_before_steady(self, rank: int, set_id: int, tags: dict) -> bool:
+        """True for a message sent before its sender saw the set's latest "D"."""
+        s = self.sets.get(set_id)
+        return s is not None and s.epoch > 0 and tags.get(set_id, 0) < s.epoch \
+            and rank in s.index
 
     def _set_for(self, rank: int, set_id: int, name: str, out: dict) -> SetState | None:
         s = self.sets.get(set_id)
@@ -594,6 +653,11 @@ class Coordinator:
             if rank not in s.index:
                 continue
             s.gone.add(s.index[rank])
+            if s.steady:
+                # Ranks still steady fail what waits on the gone rank themselves.
+                for other in s.ranks:
+                    if other != rank:
+                        out.setdefault(other, []).append((Item.GONE, s.id, [rank]))
             names = list(s.table)
             bits = 0
             for b in s.pending_bits:
@@ -616,9 +680,7 @@ class Coordinator:
 
     @staticmethod
     def _gone_message(gone: list, what: str) -> str:
-        return (f"Horovod has been shut down: rank(s) {gone} already called hvd.shutdown() (or "
-                f"finished) while {what} still needed them. This is usually a rank that ran "
-                f"out of data early; use hvd.join() for uneven inputs.")
+        return gone_message(gone, what)
 
     # ------------------------------------------------------------------ process sets
     def _add_process_set(self, resp: Response) -> None:
@@ -672,6 +734,25 @@ class Coordinator:
             self._announce_evictions(s, bits, out)
         self._evicted = []
         self._fresh.clear()
+        self._maybe_enter_steady(out)
+
+    def _maybe_enter_steady(self, out: dict) -> None:
+        """Hand quiet sets whose tensors come back as cache hits to the ranks (steady.py)."""
+        if not self.settings.steady_state or self.autotune is not None:
+            return
+        for s in self.sets.values():
+            if not s.all_hits:
+                continue
+            s.all_hits = False
+            if (s.steady or len(s.ranks) < 2 or s.table or any(s.pending_bits) or s.joined
+                    or s.groups or s.gone or self.fatal):
+                continue
+            s.epoch += 1
+            s.steady = True
+            s.unsteady.clear()
+            s.waiting.clear()
+            for g in s.ranks:
+                out.setdefault(g, []).append((Item.STEADY, s.id, s.epoch))
 
     def _release_ready(self, ready: list, out: dict) -> None:
         if not ready:
@@ -703,14 +784,19 @@ class Coordinator:
             if cycle_ms is not None:
                 for g in self.peers:
                     out.setdefault(g, []).append((Item.CYCLE_TIME, cycle_ms))
+        hits_only: dict[int, bool] = {}
         for resp in fused:
             s = by_id[resp.process_set_id]
             bits = resp.cache_bits or []
             compact = (resp.type in CACHEABLE_TYPES and bits and all(b >= 0 for b in bits)
                        and not any((s.id, b) in self._fresh for b in bits))
-            item = (Item.CACHED, s.id, tuple(bits), resp.joined) if compact else (Item.RESPONSE, resp)
+            item = ((Item.CACHED, s.id, tuple(bits), resp.joined) if compact
+                    else (Item.RESPONSE, resp))
+            hits_only[s.id] = hits_only.get(s.id, True) and compact and not resp.joined
             for g in s.ranks:
                 out.setdefault(g, []).append(item)
+        for sid, hits in hits_only.items():
+            by_id[sid].all_hits = hits
 
     def _group_size(self, s: SetState, resp: Response) -> int:
         return self._group_sizes.get((s.id, resp.group), 1)

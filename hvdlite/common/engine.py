@@ -7,6 +7,11 @@ the responses it gets back, in order, on the process set's communicator; a finis
 for each launched transport call in the same order, copies results out and completes handles.
 So negotiation of the next tensors overlaps the transport of the previous ones. Any failure
 completes every pending handle with HorovodInternalError, so no caller waits forever.
+
+Once the coordinator has put a process set into the steady state ("D"), the background thread
+releases that set's cached tensors itself: rounds of a recursive-doubling AND of cache bits over
+direct connections to the other ranks (steady.py documents the protocol), and falls back to the
+coordinator the moment anything is not a cache hit. `counters` counts both paths.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from .messages import (ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER,
                        Request, Response)
 from .protocol import Item, Msg
 from .response_cache import RankCache
+from .steady import STEADY_MSG, SteadySet, build_responses, gone_message
 from .wire import Channel, ProtocolError
 
 log = logging.getLogger("hvdlite")
@@ -140,7 +146,8 @@ class Entry:
 class Engine:
     def __init__(self, *, rank: int, size: int, settings, channel: Channel,
                  comm_factory: Callable[[int, list], Any], set_ranks: dict[int, list],
-                 timeline=None):
+                 timeline=None, peer_listener: socket.socket | None = None,
+                 key: bytes = b"", peers: dict | None = None):
         self.rank = rank
         self.size = size
         self.settings = settings
@@ -178,6 +185,23 @@ class Engine:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._sel.register(channel.sock, selectors.EVENT_READ, "hub")
+        # The decentralised steady state (steady.py): per set, the state of its rounds; direct
+        # connections to the other ranks (one we opened per destination, any number accepted).
+        self.key = key
+        self.peer_addrs = dict(peers or {})
+        self.steady: dict[int, SteadySet] = {}
+        self.epochs: dict[int, int] = {}            # set -> last "D" epoch seen
+        self._early: dict[tuple[int, int], list] = {}   # (set, epoch) -> K messages before "D"
+        self._peer_out: dict[int, Channel] = {}
+        self._listener = peer_listener
+        if peer_listener is not None:
+            peer_listener.setblocking(False)
+            self._sel.register(peer_listener, selectors.EVENT_READ, "listen")
+        self._releasing = False
+        self._report_after = max(0.05, min(1.0, settings.stall_warning_s / 4))
+        self.counters = {"coordinator_messages": 0, "coordinator_tensors": 0,
+                         "steady_entered": 0, "steady_rounds": 0, "steady_released": 0,
+                         "steady_fallbacks": 0, "bounced": 0, "peer_messages": 0}
         self.thread = threading.Thread(target=self._run, name="hvdlite-background", daemon=True)
         self.finisher = threading.Thread(target=self._finish_loop, name="hvdlite-finisher",
                                          daemon=True)
@@ -219,7 +243,9 @@ class Engine:
                 keys.append(key)
             # With nothing outstanding there is nothing to batch with: send from this thread
             # at once instead of waking the background thread to do it (one thread hop less).
-            direct = not (self._inflight or self._in_transport or self._stopping)
+            direct = not (self._inflight or self._in_transport or self._stopping
+                          or self.steady)
+            tags = dict(self.epochs)
             self._reserved.update(keys)
             handle._release = lambda: self._unreserve(keys)
             for key, e in zip(keys, entries):
@@ -236,7 +262,7 @@ class Engine:
                 if not direct:
                     self._queue.append(e)
         if direct:
-            self._send_entries(entries)
+            self._send_entries(entries, tags)
         else:
             self._wake()
         return handle
@@ -273,6 +299,13 @@ class Engine:
             # Closing the channel tells the coordinator this rank is gone (a crash, unless SHUTDOWN
             # was sent first).
             self.channel.close()
+            for ch in self._peer_out.values():
+                ch.close()
+            if self._listener is not None:
+                try:
+                    self._listener.close()
+                except OSError:
+                    pass
             try:
                 self._sel.close()
                 self._wake_r.close()
@@ -295,6 +328,8 @@ class Engine:
                     self._send_queued()
                 else:
                     timeout = left
+            if self.steady:
+                timeout = min(timeout, self._steady_timeout())
             eof = False
             for key, _ in self._sel.select(timeout):
                 if key.data == "wake":
@@ -302,6 +337,12 @@ class Engine:
                         self._wake_r.recv(65536)
                     except BlockingIOError:
                         pass
+                elif key.data == "listen":
+                    self._accept_peer()
+                elif key.data != "hub":
+                    self._on_peer_readable(key.data)
+                    if self._closed is not None:
+                        return
                 else:
                     try:
                         eof = not self.channel.feed()
@@ -324,6 +365,10 @@ class Engine:
             for msg in msgs:
                 if not self._on_message(msg):
                     return
+            if self.steady:
+                for st in list(self.steady.values()):
+                    self._steady_kick(st)      # rounds held back while another released
+                self._steady_reports()
             if eof:
                 self._close(self._closed or
                             f"rank {self.rank} lost its connection to the coordinator (rank 0): "
@@ -332,6 +377,13 @@ class Engine:
 
     def _finish_shutdown(self) -> None:
         self._close(SHUT_DOWN_MESSAGE)
+        for ch in self._peer_out.values():
+            ch.close()
+        if self._listener is not None:
+            try:
+                self._listener.close()
+            except OSError:
+                pass
         try:
             self.channel.send((Msg.SHUTDOWN,))
         except OSError:
@@ -342,11 +394,29 @@ class Engine:
         with self._lock:
             entries = list(self._queue)
             self._queue.clear()
+        if not entries:
+            return
+        if self.steady:
+            rest = []
+            touched = set()
+            for e in entries:
+                st = self.steady.get(e.request.process_set_id)
+                if st is None:
+                    rest.append(e)
+                else:
+                    self._steady_add(st, e)
+                    touched.add(st.set_id)
+            for sid in touched:
+                self._steady_kick(self.steady[sid])
+            entries = rest
         if entries:
-            self._send_entries(entries)
+            self._send_entries(entries, self.epochs)
 
-    def _send_entries(self, entries: list) -> None:
-        """Send requests, or just their cache bits (any thread; the channel serializes)."""
+    def _send_entries(self, entries: list, tags: dict) -> None:
+        """Send requests, or just their cache bits (any thread; the channel serializes).
+
+        `tags` says, per set, the last steady-state epoch this rank has seen, so the coordinator
+        can hand back what was sent before the rank saw its latest "D" (steady.py)."""
         full = []
         masks: dict[int, int] = {}
         for e in entries:
@@ -360,8 +430,12 @@ class Engine:
         self._last_send = time.monotonic()
         if self.timeline is not None and self.timeline.enabled:
             self.timeline.cycle()
+        sets = {e.request.process_set_id for e in entries}
+        self.counters["coordinator_messages"] += 1
+        self.counters["coordinator_tensors"] += len(entries)
         try:
-            self.channel.send((Msg.QUERY, full, list(masks.items())))
+            self.channel.send((Msg.QUERY, full, list(masks.items()),
+                               {sid: tags.get(sid, 0) for sid in sets}))
         except OSError as exc:
             self._close(f"rank {self.rank} could not reach the coordinator: {exc}")
 
@@ -373,8 +447,9 @@ class Engine:
                     if e.request.process_set_id == set_id and e.sent_bit in wanted]
         for e_bit in wanted:
             self.cache.evict(set_id, [e_bit])
+        self.counters["coordinator_messages"] += 1
         try:
-            self.channel.send((Msg.QUERY, reqs, []))
+            self.channel.send((Msg.QUERY, reqs, [], {set_id: self.epochs.get(set_id, 0)}))
         except OSError as exc:
             self._close(f"rank {self.rank} could not reach the coordinator: {exc}")
 
@@ -393,7 +468,17 @@ class Engine:
                     _, set_id, bits, joined = item
                     self._execute(self.cache.expand(set_id, bits, joined))
                 elif tag == Item.EVICT:
-                    self.cache.evict(item[1], item[2])
+                    st = self.steady.get(item[1])
+                    if st is not None:
+                        st.deferred.append(item[2])   # applied once this rank falls back
+                    else:
+                        self.cache.evict(item[1], item[2])
+                elif tag == Item.STEADY:
+                    self._enter_steady(item[1], item[2])
+                elif tag == Item.TAKE_BACK:
+                    self._take_back(item[1], item[2], item[3])
+                elif tag == Item.GONE:
+                    self._steady_gone(item[1], item[2])
                 elif tag == Item.RESEND:
                     self._resend(item[1], item[2])
                 elif tag == Item.CYCLE_TIME:
@@ -414,6 +499,209 @@ class Engine:
         if kind == Msg.DUMP:
             dump_async(msg[1])  # the coordinator saw a stall: flight-recorder dump
         return True
+
+    # ------------------------------------------------------------------ steady state
+    def _enter_steady(self, sid: int, epoch: int) -> None:
+        """The coordinator's "D": from here this set's cached tensors are released by rounds."""
+        ranks = self.set_ranks.get(sid)
+        if ranks is None or self.rank not in ranks:
+            return
+        st = SteadySet(sid, epoch, list(ranks), ranks.index(self.rank))
+        with self._lock:
+            self.epochs[sid] = epoch
+            self.steady[sid] = st
+        self.counters["steady_entered"] += 1
+        for msg in self._early.pop((sid, epoch), []):
+            self._on_steady_msg(msg)
+
+    def _steady_add(self, st: SteadySet, e: Entry) -> None:
+        req = e.request
+        bit = self.cache.hit(req) if req.cacheable and req.group is None else -1
+        if bit >= 0 and bit not in st.pending:
+            e.sent_bit = bit
+            st.pending[bit] = e
+        else:
+            # First sight, a changed signature, join, a group...: full negotiation for all.
+            e.sent_bit = -1
+            st.held.append(e)
+            st.fallback = True
+
+    def _steady_kick(self, st: SteadySet) -> None:
+        # Not while a round's responses are being launched: a round started (and finished) from
+        # inside would launch its collectives before the rest of the round's, out of order.
+        if self._releasing or not st.wants_round():
+            return
+        rnd = st.start_round(lambda idx, k, tag, value: self._peer_send(
+            st.ranks[idx], (STEADY_MSG, st.set_id, st.epoch, k, tag, value[0], value[1])),
+            time.monotonic())
+        self.counters["steady_rounds"] += 1
+        if self._closed is None:
+            self._advance(st, rnd)
+
+    def _advance(self, st: SteadySet, rnd) -> None:
+        result = rnd.advance()
+        if result is not None and st.round is rnd:
+            self._round_done(st, result)
+
+    def _on_steady_msg(self, msg) -> None:
+        _, sid, epoch, k, tag, bits, flag = msg
+        st = self.steady.get(sid)
+        if st is None or st.epoch != epoch:
+            if epoch > self.epochs.get(sid, 0):      # a peer saw "D" before this rank did
+                self._early.setdefault((sid, epoch), []).append(msg)
+            return
+        st.offer(k, tag, (bits, flag))
+        if st.round is not None and k == st.round_no:
+            self._advance(st, st.round)
+
+    def _round_done(self, st: SteadySet, result: tuple[int, bool]) -> None:
+        common, fallback = result
+        released = st.finish_round(common & st.round_bits)
+        if st.reported:
+            st.reported = False
+            self._send_coordinator((Msg.STEADY_WAIT, st.set_id, st.epoch, [], 0.0))
+        if released:
+            self.counters["steady_released"] += len(released)
+            threshold = self.settings.fusion_threshold
+            self._releasing = True
+            try:
+                for resp in build_responses(self.cache, st.set_id, [b for b, _ in released],
+                                            threshold, not self.settings.disable_group_fusion):
+                    self._execute(resp)
+                    if self._closed is not None:
+                        return
+            finally:
+                self._releasing = False
+        if fallback:
+            self._fall_back(st)
+        else:
+            self._steady_kick(st)
+
+    def _fall_back(self, st: SteadySet) -> None:
+        """Every rank saw the flag in the same round: back to full negotiation for this set."""
+        with self._lock:
+            self.steady.pop(st.set_id, None)
+        self.counters["steady_fallbacks"] += 1
+        for bits in st.deferred:
+            self.cache.evict(st.set_id, bits)
+        self._send_coordinator((Msg.STEADY_LEFT, st.set_id, st.epoch))
+        entries = list(st.pending.values()) + st.held
+        if entries:
+            self._send_entries(entries, self.epochs)
+
+    def _take_back(self, sid: int, names: list, bits: list) -> None:
+        """The coordinator returned tensors sent before this rank saw the set's latest "D"."""
+        wanted = set(bits)
+        with self._lock:
+            entries = [self._inflight.get((sid, n)) for n in names]
+            entries += [e for e in self._inflight.values()
+                        if e.request.process_set_id == sid and e.sent_bit in wanted
+                        and e.request.name not in names]
+        entries = [e for e in entries if e is not None]
+        self.counters["bounced"] += len(entries)
+        st = self.steady.get(sid)
+        if st is None:
+            if entries:
+                self._send_entries(entries, self.epochs)
+            return
+        for e in entries:
+            self._steady_add(st, e)
+        self._steady_kick(st)
+
+    def _steady_gone(self, sid: int, gone: list) -> None:
+        """A member shut down while this set was steady: fail what waits, as negotiation does."""
+        with self._lock:
+            st = self.steady.pop(sid, None)
+        if st is None:
+            return
+        entries = list(st.pending.values()) + st.held
+        if not entries:
+            return
+        what = ", ".join(repr(e.request.name) for e in entries[:6])
+        message = gone_message(gone, what)
+        for e in entries:
+            with self._lock:
+                self._inflight.pop((sid, e.request.name), None)
+            e.handle._complete_one(message)
+
+    def _steady_timeout(self) -> float:
+        now = time.monotonic()
+        left = 0.5
+        for st in self.steady.values():
+            if st.round is not None and not st.reported:
+                left = min(left, st.round_started + self._report_after - now)
+        return max(left, 0.0)
+
+    def _steady_reports(self) -> None:
+        """Tell the coordinator about rounds that wait long, so the stall inspector sees them."""
+        now = time.monotonic()
+        for st in list(self.steady.values()):
+            if st.round is not None and not st.reported \
+                    and now - st.round_started >= self._report_after:
+                st.reported = True
+                names = [e.request.name for e in st.pending.values()]
+                names += [e.request.name for e in st.held]
+                self._send_coordinator((Msg.STEADY_WAIT, st.set_id, st.epoch, names,
+                                        now - st.round_started))
+
+    def _send_coordinator(self, msg) -> None:
+        self.counters["coordinator_messages"] += 1
+        try:
+            self.channel.send(msg)
+        except OSError as exc:
+            self._close(f"rank {self.rank} could not reach the coordinator: {exc}")
+
+    # ------------------------------------------------------------------ peer connections
+    def _peer_send(self, g: int, msg) -> None:
+        ch = self._peer_out.get(g)
+        if ch is None:
+            hostname, addr, port = self.peer_addrs[g]
+            if addr.startswith("127.") and hostname != self.peer_addrs[self.rank][0]:
+                addr = self.channel.sock.getpeername()[0]     # rank 0's host, as seen from here
+            try:
+                sock = socket.create_connection((addr, port), timeout=30)
+                sock.settimeout(None)
+                ch = Channel(sock, self.key)
+                ch.send((Msg.PEER_HELLO, self.rank))
+            except OSError as exc:
+                self._report_failure(
+                    f"rank {self.rank} could not open a control connection to rank {g} at "
+                    f"{addr}:{port} for the steady state: {exc}. Open the ports between the "
+                    f"hosts, or set HVDLITE_STEADY_STATE=0 to keep every cycle on rank 0.")
+                return
+            self._peer_out[g] = ch
+        self.counters["peer_messages"] += 1
+        try:
+            ch.send(msg)
+        except OSError:
+            pass   # the peer is gone; the coordinator reports why
+
+    def _accept_peer(self) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except (BlockingIOError, OSError):
+            return
+        conn.setblocking(True)
+        self._sel.register(conn, selectors.EVENT_READ, Channel(conn, self.key))
+
+    def _on_peer_readable(self, ch: Channel) -> None:
+        try:
+            alive = ch.feed()
+            msgs = ch.messages()
+        except ProtocolError as exc:
+            log.error("hvdlite: rejected a steady-state connection: %s", exc)
+            alive, msgs = False, []
+        except OSError:
+            alive, msgs = False, []
+        for msg in msgs:
+            if msg[0] == STEADY_MSG:
+                self._on_steady_msg(msg)
+        if not alive:
+            try:
+                self._sel.unregister(ch.sock)
+            except (KeyError, ValueError):
+                pass
+            ch.close()
 
     # ------------------------------------------------------------------ execution
     def _pop(self, set_id: int, names: list) -> list:
@@ -470,6 +758,15 @@ class Engine:
                 if comm is not None:
                     comm.close()
             self.cache.drop_set(sid)
+            with self._lock:
+                st = self.steady.pop(sid, None)
+            if st is not None:
+                for e in list(st.pending.values()) + st.held:
+                    with self._lock:
+                        self._inflight.pop((sid, e.request.name), None)
+                    e.handle._complete_one(
+                        f"remove_process_set: process set {sid} still had '{e.request.name}' "
+                        f"in flight on rank {self.rank}; synchronize it first.")
             for e in entries:
                 if e is not None:
                     e.result = sid

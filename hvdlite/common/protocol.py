@@ -9,6 +9,9 @@
      |-- FAILED message / SHUTDOWN ----------------->|
      |<------------------------------- FATAL message |     every pending handle fails
      |<-------------------------- DUMP / HEARTBEAT --|     a stall was seen / once a second
+     |-- STEADY_LEFT / STEADY_WAIT ----------------->|     steady state (steady.py)
+
+    rank i <-> rank j (direct connections, steady state only): PEER_HELLO, then ROUND frames.
 
 The payloads are `messages.Request` and `messages.Response`. Members are `str` values, so a
 member compares equal to its one- or two-letter tag (a peer that sends the bare tag is
@@ -42,6 +45,12 @@ class Msg(_Tag):
     HEARTBEAT = "K"      # coordinator -> rank: ("K",) once a second, so a rank can tell a quiet
     #                      coordinator from a hung rank 0
     TIMELINE = "TL"      # rank -> coordinator: ("TL", *args) timeline control on rank 0
+    # The steady state (steady.py documents the protocol):
+    STEADY_LEFT = "U"    # rank -> coordinator: ("U", set_id, epoch) fell back to negotiation
+    STEADY_WAIT = "W"    # rank -> coordinator: ("W", set_id, epoch, names, waited_s) waits long
+    #                      in a round (empty names: no longer), for the stall inspector
+    PEER_HELLO = "P"     # rank -> rank: ("P", rank) opens a direct connection
+    ROUND = "K"          # rank -> rank: ("K", set_id, epoch, round, step, bits, flag)
 
 
 class Item(_Tag):
@@ -53,6 +62,10 @@ class Item(_Tag):
     RESEND = "B"         # ("B", set_id, bits): the coordinator forgot these bits; send the
     #                      requests in full
     CYCLE_TIME = "P"     # ("P", ms): autotune's new cycle time
+    STEADY = "D"         # ("D", set_id, epoch): the set enters the steady state here
+    TAKE_BACK = "Y"      # ("Y", set_id, names, bits): sent before this rank saw the latest
+    #                      "D"; release them the way the set is released now
+    GONE = "G"           # ("G", set_id, [rank]): a member shut down while the set was steady
 
 
 __all__ = ["Msg", "Item"]

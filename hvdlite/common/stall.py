@@ -56,6 +56,18 @@ class StallInspector:
                         submitted.setdefault(g, []).append(name)
                     elif idx not in s.joined:
                         report.setdefault(g, []).append(name)
+            # Steady state (steady.py): ranks that waited long in a round said so ("W"); the
+            # set's other ranks have not submitted what they wait on.
+            for idx, (since, names) in getattr(s, "waiting", {}).items():
+                age = now - since
+                if age < self.warning_s:
+                    continue
+                oldest = max(oldest, age)
+                submitted.setdefault(s.ranks[idx], []).extend(names)
+                for other in range(len(s.ranks)):
+                    if other not in s.waiting and other not in s.joined:
+                        report.setdefault(s.ranks[other], []).extend(
+                            n for n in names if n not in report.get(s.ranks[other], []))
         # Ranks missing from a stall at least warning-time old, and what the others wait for
         # (read by the coordinator to name a hung rank and by the flight-recorder report).
         self.missing = sorted(report)

@@ -1,0 +1,213 @@
+"""The decentralised steady state: cached tensors released without a round trip through rank 0.
+
+Why: in steady-state training every step submits the same named tensors with the same
+parameters. The response cache already shrinks each request to one bit, but sending those bits
+to the coordinator in rank 0 and waiting for its answer cost a round trip per cycle (~0.5 ms
+here) and made rank 0 handle one message per rank per cycle, O(N) work. Horovod's answer is a
+bitwise allreduce of the ranks' cache bits on every rank; hvdlite does the same over direct TCP
+connections between the ranks (the control channels, HMAC-authenticated like the coordinator's),
+so no transport call of gloo or MPI is spent on it and nothing waits in a blocking call.
+
+The protocol, per process set (every rank of the set runs it; rank 0 is not special):
+
+1. Entering. The coordinator sends ``("D", set, epoch)`` on the ordered response stream of
+   every member once the set is quiet (no table entry, no pending bit, nobody joined, no open
+   group) and its last release was all cache hits. Every rank therefore enters the steady state
+   for the set at the same point of that stream: after every response released before it.
+2. Rounds. While steady, a rank keeps the tensors it submits for the set to itself. A cached one
+   (same name and signature as its cache entry) becomes a pending bit; anything else (first
+   sight, a changed shape or dtype, join, a grouped op, a barrier, process-set changes) is held and
+   raises the *fallback* flag. A rank with anything pending starts round k: the value
+   ``(AND of pending bits, OR of fallback flags)`` is combined by recursive doubling over the
+   set's ranks (``("K", set, epoch, k, step, bits, flag)`` messages; ceil(log2 N) exchanges per
+   rank and round, plus one pre/post step when N is not a power of two), so every rank ends
+   round k with the same value. Rounds are numbered, so a message that arrives early waits in
+   an inbox.
+3. Release. Every rank releases the common bits of the round, in ascending bit order, fused
+   exactly as the coordinator fuses (fusion.fuse_responses with the configured threshold), from
+   the same cache templates. Identical input gives identical collectives on every rank, so
+   validation needs no extra message: a bit stands for the name *and* the signature (type,
+   dtype, shape, op, scale factors, root, device) that every rank agreed on when the bit was
+   made, and a rank that changed any of them has no bit to offer. Bits that are not common stay
+   pending for the next round; a rank with nothing pending takes no part until it has.
+4. Fallback. When a round ends with the flag set, every rank (having released that round's
+   common bits) leaves the steady state for the set, sends ``("U", set, epoch)`` and then sends
+   its remaining bits and held requests to the coordinator in full, tagged with the epoch. Full
+   negotiation then runs exactly as before, with every cross-rank check and error message it
+   has. Cache evictions the coordinator announces while a rank is still steady wait until it
+   has fallen back. The coordinator answers a message tagged with an older epoch (sent before
+   the sender saw "D") with ``("Y", set, names, bits)``: the rank takes those tensors back into
+   whichever mode it is in now. A new "D" for the set is only sent once every member's "U" of
+   the previous epoch has arrived.
+5. Stalls and ends. A rank that has waited in a round longer than a report interval sends the
+   coordinator ``("W", set, epoch, names, waited_s)`` (and an empty one once released), so the
+   stall inspector names the ranks that have not submitted, as before. A rank that shuts down
+   makes the coordinator send ``("G", set, [rank])`` to the others: their steady entries fail
+   with the same "already called hvd.shutdown()" message as in full negotiation.
+
+Cost per cycle at any rank: O(log N) messages of O(cache bits) bytes and O(bits) local work;
+the coordinator does no per-cycle work at all (benchmarks/control_plane.py measures it).
+Autotune (HOROVOD_AUTOTUNE) keeps every cycle on the coordinator, whose threshold it tunes;
+HVDLITE_STEADY_STATE=0 turns the steady state off.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .fusion import fuse_responses
+from .messages import Response
+from .protocol import Msg
+
+STEADY_MSG = Msg.ROUND
+
+
+def gone_message(gone: list, what: str) -> str:
+    """The error for collectives that a rank which already shut down still had to join."""
+    return (f"Horovod has been shut down: rank(s) {gone} already called hvd.shutdown() (or "
+            f"finished) while {what} still needed them. This is usually a rank that ran "
+            f"out of data early; use hvd.join() for uneven inputs.")
+
+
+def combine(a: tuple[int, bool], b: tuple[int, bool]) -> tuple[int, bool]:
+    """The round's reduction: AND of ready bits, OR of fallback flags."""
+    return a[0] & b[0], a[1] or b[1]
+
+
+class Round:
+    """One recursive-doubling allreduce of (bits, flag) over a set's ranks; transport-agnostic.
+
+    `send(index, tag, value)` delivers to the set rank `index`; `offer(tag, value)` hands in a
+    message received for this round. `advance()` makes every step whose input is present and
+    returns the final value once known, else None. A rank sends and receives ceil(log2 N)
+    messages (power-of-two N; one more pre/post step otherwise).
+    """
+
+    __slots__ = ("me", "n", "p", "value", "step", "stage", "inbox", "send", "result")
+
+    def __init__(self, me: int, n: int, value: tuple[int, bool],
+                 send: Callable[[int, Any, tuple], None]):
+        self.me, self.n = me, n
+        p = 1
+        while p * 2 <= n:
+            p *= 2
+        self.p = p
+        self.value = value
+        self.step = 0
+        self.inbox: dict = {}
+        self.send = send
+        self.result: tuple[int, bool] | None = None
+        if me >= p:                      # an extra rank: hand the value in, wait for the result
+            send(me - p, "pre", value)
+            self.stage = "post"
+        elif me + p < n:
+            self.stage = "pre"
+        else:
+            self.stage = "steps"
+            self._send_step()
+
+    def _send_step(self) -> None:
+        if (1 << self.step) < self.p:
+            self.send(self.me ^ (1 << self.step), self.step, self.value)
+
+    def offer(self, tag, value: tuple[int, bool]) -> None:
+        self.inbox[tag] = value
+
+    def advance(self) -> tuple[int, bool] | None:
+        while self.result is None:
+            if self.stage == "post":
+                if "post" not in self.inbox:
+                    return None
+                self.result = self.inbox.pop("post")
+            elif self.stage == "pre":
+                if "pre" not in self.inbox:
+                    return None
+                self.value = combine(self.value, self.inbox.pop("pre"))
+                self.stage = "steps"
+                self._send_step()
+            else:
+                if (1 << self.step) >= self.p:
+                    if self.me + self.p < self.n:
+                        self.send(self.me + self.p, "post", self.value)
+                    self.result = self.value
+                    break
+                if self.step not in self.inbox:
+                    return None
+                self.value = combine(self.value, self.inbox.pop(self.step))
+                self.step += 1
+                self._send_step()
+        return self.result
+
+    @staticmethod
+    def partners(me: int, n: int) -> list[int]:
+        """The set ranks this rank exchanges with in every round."""
+        p = 1
+        while p * 2 <= n:
+            p *= 2
+        if me >= p:
+            return [me - p]
+        out = [me ^ (1 << j) for j in range(p.bit_length() - 1)]
+        if me + p < n:
+            out.append(me + p)
+        return out
+
+
+@dataclass
+class SteadySet:
+    """One process set's steady state on one rank."""
+
+    set_id: int
+    epoch: int
+    ranks: list                                      # set rank -> global rank
+    me: int                                          # this rank's set rank
+    pending: dict = field(default_factory=dict)      # bit -> Entry
+    held: list = field(default_factory=list)         # entries needing full negotiation
+    fallback: bool = False
+    round_no: int = 0
+    round: Round | None = None
+    round_bits: int = 0                              # bits offered in the current round
+    round_started: float = 0.0
+    reported: bool = False                           # told the coordinator we wait (stalls)
+    deferred: list = field(default_factory=list)     # evictions announced while steady
+    inbox: dict = field(default_factory=dict)        # (round, tag) -> value, arrived early
+
+    def wants_round(self) -> bool:
+        return self.round is None and (bool(self.pending) or self.fallback)
+
+    def start_round(self, send: Callable[[int, Any, tuple], None], now: float) -> Round:
+        bits = 0
+        for bit in self.pending:
+            bits |= 1 << bit
+        self.round_bits = bits
+        self.round_started = now
+        k = self.round_no
+        rnd = Round(self.me, len(self.ranks), (bits, self.fallback),
+                    lambda idx, tag, value: send(idx, k, tag, value))
+        self.round = rnd
+        for (r, tag) in [key for key in self.inbox if key[0] == k]:
+            rnd.offer(tag, self.inbox.pop((r, tag)))
+        return rnd
+
+    def offer(self, round_no: int, tag, value: tuple[int, bool]) -> None:
+        if self.round is not None and round_no == self.round_no:
+            self.round.offer(tag, value)
+        else:
+            self.inbox[(round_no, tag)] = value
+
+    def finish_round(self, common: int) -> list:
+        """Entries released by this round's common bits, in ascending bit order."""
+        self.round = None
+        self.round_no += 1
+        out = []
+        while common:
+            low = common & -common
+            common ^= low
+            out.append((low.bit_length() - 1, self.pending.pop(low.bit_length() - 1)))
+        return out
+
+
+def build_responses(cache, set_id: int, bits: list[int], threshold: int,
+                    group_fusion: bool) -> list[Response]:
+    """The fused responses for released bits: the same on every rank, as the coordinator's."""
+    singles = [cache.expand(set_id, [b], ()) for b in bits]
+    return fuse_responses(singles, threshold, group_fusion=group_fusion)

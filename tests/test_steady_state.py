@@ -1,0 +1,63 @@
+"""The decentralised steady state (hvdlite/common/steady.py) on 3 real ranks, gloo and MPI.
+
+Worker: tests/workers/steady_state.py, one `CHECK <name> OK|FAIL` line per check and rank.
+- steady_hits: after a few steps, cached tensors are released by rounds between the ranks, with
+  no message to the coordinator (engine counters), results equal to the local reference;
+- changed_shape: a changed shape after the steady state falls back to full negotiation and
+  raises today's mismatch error on every rank; the job returns to the steady state;
+- join: uneven inputs with hvd.join() across the steady state;
+- process_set: a static set [0, 1] reaches its own steady state beside the global one.
+The stall case (a rank that stops submitting) is in test_errors.py.
+"""
+from __future__ import annotations
+
+import pytest
+
+from util import Run
+
+CHECKS = ["steady_hits", "changed_shape", "join", "process_set"]
+
+
+@pytest.fixture(scope="module")
+def gloo_run():
+    return Run("steady_state.py", 3, timeout=150)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", CHECKS)
+def test_steady_state_gloo(gloo_run, name):
+    gloo_run.check(name)
+
+
+@pytest.mark.timeout(180)
+def test_steady_state_gloo_finished(gloo_run):
+    gloo_run.finished()
+
+
+class MpiRun(Run):
+    """The same worker under `hvdlite-run --mpi` (mpiexec, the MPI transport)."""
+
+    def __init__(self, script: str, np: int):
+        from util import hvdlite_run, rank_lines
+        self.script, self.np = script, np
+        proc = hvdlite_run(script, np=np, timeout=150, launcher_args=["--mpi"])
+        self.returncode = proc.returncode
+        self.stdout = proc.stdout
+        self.output = proc.stdout + "\n--- stderr\n" + proc.stderr
+        self.lines = {r: rank_lines(proc.stdout, r) for r in range(np)}
+        self.detail_lines = 30
+
+
+@pytest.fixture(scope="module")
+def mpi_run():
+    from test_mpi import HAVE_MPI
+    if not HAVE_MPI:
+        pytest.skip("mpi4py/mpiexec not installed (pip install mpi4py mpich)")
+    return MpiRun("steady_state.py", 3)
+
+
+@pytest.mark.timeout(180)
+def test_steady_state_mpi(mpi_run):
+    for name in CHECKS:
+        mpi_run.check(name)
+    mpi_run.finished()

@@ -1,0 +1,120 @@
+"""The decentralised steady state (hvdlite/common/steady.py) on 3 ranks (not a power of two).
+
+Steps of named collectives reach the steady state; from then on, cached tensors are released
+without messages to the coordinator (engine counters). A changed shape falls back to full
+negotiation with today's error; join and a process set keep working. Results are compared with
+a reference computed locally from every rank's input.
+"""
+from __future__ import annotations
+
+import torch
+
+import hvdlite.torch as hvd
+from hvdlite.common import basics
+from ops_common import check, fail, finish, gen, same
+
+pair = hvd.ProcessSet([0, 1])
+hvd.init(process_sets=[pair])
+rank, size = hvd.rank(), hvd.size()
+assert size == 3, "steady_state.py needs 3 ranks"
+SHAPES = [(5,), (3, 4), (64,), (2, 2, 2)]
+
+
+def step(k: int, process_set=hvd.global_process_set, members=(0, 1, 2), prefix="s") -> None:
+    """One training-like step: grouped into async handles, then synchronized."""
+    handles = []
+    for i, shape in enumerate(SHAPES):
+        x = gen(rank, shape, torch.float32, salt=(prefix, i, k))
+        handles.append(("sum", i, hvd.allreduce_async(x, name=f"{prefix}.g{i}", op=hvd.Sum,
+                                                       process_set=process_set)))
+    root = members[-1]
+    b = gen(rank, (6,), torch.float32, salt=(prefix, "b", k))
+    handles.append(("bcast", 0, hvd.broadcast_async(b, root, name=f"{prefix}.b",
+                                                    process_set=process_set)))
+    for kind, i, h in handles:
+        got = hvd.synchronize(h)
+        if kind == "sum":
+            ref = sum(gen(r, SHAPES[i], torch.float32, salt=(prefix, i, k)) for r in members)
+        else:
+            ref = gen(root, (6,), torch.float32, salt=(prefix, "b", k))
+        same(got, ref, f"{prefix} step {k} {kind} {i}")
+
+
+def counters():
+    return basics.engine_counters()
+
+
+def steady_hits():
+    for k in range(3):
+        step(k)
+    before = counters()
+    for k in range(3, 12):
+        step(k)
+    after = counters()
+    if after["steady_entered"] < 1:
+        fail(f"never entered the steady state: {after}")
+    if after["coordinator_messages"] != before["coordinator_messages"]:
+        fail(f"steady steps sent {after['coordinator_messages'] - before['coordinator_messages']}"
+             f" messages to the coordinator: {before} -> {after}")
+    released = after["steady_released"] - before["steady_released"]
+    if released != 9 * (len(SHAPES) + 1):
+        fail(f"steady rounds released {released} tensors, expected {9 * (len(SHAPES) + 1)}")
+
+
+def changed_shape():
+    shape = (4,) if rank == 1 else (3,)
+    try:
+        hvd.allreduce(torch.ones(shape), name="s.g0", op=hvd.Sum)
+    except hvd.HorovodInternalError as exc:
+        expected = ("Mismatched ALLREDUCE tensor shapes on tensor 's.g0': rank 0 sent shape [3] "
+                    "but rank 1 sent shape [4]. ALLREDUCE needs the same shape on every rank.")
+        if expected not in str(exc):
+            fail(f"unexpected error: {exc}")
+    else:
+        fail("a shape mismatch after the steady state did not raise")
+    fallbacks = counters()["steady_fallbacks"]
+    if fallbacks < 1:
+        fail(f"no fallback to full negotiation: {counters()}")
+    # The job goes on, and returns to the steady state.
+    for k in range(20, 26):
+        step(k)
+    if counters()["steady_entered"] < 2:
+        fail(f"did not return to the steady state: {counters()}")
+
+
+def join_uneven():
+    # Rank r runs 3 + r more steps on one tensor, then joins: joined ranks add zeros.
+    mine = 3 + rank
+    for k in range(5):
+        if k < mine:
+            x = gen(rank, (8,), torch.float32, salt=("j", k))
+            got = hvd.allreduce(x, name="j.g", op=hvd.Sum)
+            ref = sum(gen(r, (8,), torch.float32, salt=("j", k)) for r in range(size)
+                      if k < 3 + r)
+            same(got, ref, f"join step {k}")
+    last = hvd.join()
+    if last != size - 1:
+        fail(f"join returned {last}, expected {size - 1}")
+    for k in range(30, 34):
+        step(k)
+
+
+def process_set():
+    if rank in (0, 1):
+        before = counters()
+        for k in range(8):
+            step(k, process_set=pair, members=(0, 1), prefix="p")
+        after = counters()
+        if after["steady_entered"] <= before["steady_entered"]:
+            fail(f"process set [0, 1] never entered the steady state: {after}")
+    for k in range(40, 43):
+        step(k)
+
+
+check("steady_hits", steady_hits)
+check("changed_shape", changed_shape)
+check("join", join_uneven)
+check("process_set", process_set)
+print("COUNTERS", counters(), flush=True)
+finish()
+hvd.shutdown()
