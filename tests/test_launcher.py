@@ -461,3 +461,31 @@ def test_run_rejects_bad_arguments():
         run(print, min_num_proc=4, max_num_proc=2)
     with pytest.raises(ValueError, match="use_mpi is not available yet"):
         run(print, num_proc=1, use_mpi=True)
+
+
+@pytest.mark.timeout(90)
+def test_progress_bar_updates_are_forwarded_live(tmp_path):
+    """tqdm-style `\\r` updates reach the launcher's stdout while the rank still runs, each with
+    the rank prefix, instead of being held back until the bar's final newline."""
+    proc = subprocess.Popen([HVDLITE_RUN, "-np", "1", PY, SCRIPTS / "progress_bar.py", tmp_path],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_clean_env())
+    seen = b""
+    try:
+        for i in range(3):
+            want = f"[0]<stdout>:progress {i}/3\r".encode()
+            deadline = time.monotonic() + 30
+            while want not in seen:
+                assert time.monotonic() < deadline, f"update {i} not forwarded live: {seen!r}"
+                chunk = os.read(proc.stdout.fileno(), 4096)
+                assert chunk, f"launcher closed stdout early: {seen!r}"
+                seen += chunk
+            assert proc.poll() is None  # the rank is still waiting for this acknowledgement
+            (tmp_path / f"ack{i}").write_text("")
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    seen += out
+    assert proc.returncode == 0, err
+    assert seen.endswith(b"[0]<stdout>:progress 3/3\n"), seen
