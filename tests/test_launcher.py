@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from hvdlite.runner import run
-from hvdlite.runner.config_file import ConfigError, parse_yaml_subset
+from hvdlite.runner.config_file import ConfigError, load_config
 from hvdlite.runner.hosts import (HostError, HostSpec, assign_slots, is_local_host,
                                   parse_hostfile, parse_hosts)
 from hvdlite.runner.launch import parse_args
@@ -130,16 +130,37 @@ def test_hosts_parsing_and_placement(tmp_path):
 
 
 @pytest.mark.timeout(30)
-def test_yaml_subset():
-    text = ("# comment\ncontroller: gloo\nparams:\n  fusion_threshold_mb: 32  # MB\n"
-            "  hierarchical_allreduce: false\ntimeline:\n  filename: '/tmp/a #1.json'\n")
-    assert parse_yaml_subset(text) == {
-        "controller": "gloo",
-        "params": {"fusion_threshold_mb": 32, "hierarchical_allreduce": False},
-        "timeline": {"filename": "/tmp/a #1.json"}}
-    for bad in ("a:\n  - 1\n", "a: 1\n   b: 2\n", "a: [1, 2]\n", "just text\n"):
-        with pytest.raises(ConfigError):
-            parse_yaml_subset(bad)
+def test_yaml_config_with_anchors_and_lists(tmp_path):
+    """Full YAML through PyYAML: anchors, aliases, merge keys, flow style and lists."""
+    cfg = tmp_path / "hvd.yaml"
+    cfg.write_text(
+        "x-defaults: &tuning   # ignored section that holds anchors\n"
+        "  fusion_threshold_mb: 32\n"
+        "  cycle_time_ms: &cycle 2.5\n"
+        "x-hosts: [node1, node2]\n"
+        "controller: gloo\n"
+        "params:\n"
+        "  <<: *tuning\n"
+        "  cache_capacity: 64\n"
+        "autotune: {enabled: false, warmup_samples: 4}\n"
+        "timeline:\n"
+        "  filename: '/tmp/a #1.json'\n")
+    data = load_config(str(cfg))
+    assert data["x-hosts"] == ["node1", "node2"]
+    assert data["params"] == {"fusion_threshold_mb": 32, "cycle_time_ms": 2.5,
+                              "cache_capacity": 64}
+    args = parse_args(["-np", "1", "--cache-capacity", "8", "--config-file", str(cfg), "true"])
+    assert (args.fusion_threshold_mb, args.cycle_time_ms, args.cache_capacity) == (32, 2.5, 8)
+    assert args.autotune is False and args.autotune_warmup_samples == 4
+    assert args.timeline_filename == "/tmp/a #1.json" and args.use_gloo
+    cfg.write_text("params:\n  fusion_threshold_mb:\n    - 1\n    - 2\n")
+    out = launch("-np", "1", "--config-file", cfg, "true", timeout=20)
+    assert out.returncode == 2
+    assert "argument --fusion-threshold-mb: expected an integer, got [1, 2]" in out.stderr
+    for bad in ("a: [1, 2\n", "params: *missing\n"):
+        cfg.write_text(bad)
+        with pytest.raises(ConfigError, match=re.escape(str(cfg))):
+            load_config(str(cfg))
 
 
 # --------------------------------------------------------------------------- CLI, no ranks
@@ -162,6 +183,10 @@ def test_check_build():
         assert section in out.stdout
     assert "[X] PyTorch" in out.stdout and "[X] Gloo" in out.stdout
     assert re.search(r"\[[ X]\] TensorFlow", out.stdout) and re.search(r"\[[ X]\] NCCL", out.stdout)
+    import torch  # the test may import it; the launcher reads versions from package metadata
+    assert re.search(rf"PyTorch: +torch {re.escape(torch.__version__)}\n", out.stdout), out.stdout
+    for name in ("TensorFlow", "MPI", "NCCL"):
+        assert re.search(rf"\n    {name}: +\S", out.stdout), out.stdout
 
 
 @pytest.mark.timeout(60)
