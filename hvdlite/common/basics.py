@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Optional
 
-from . import rendezvous
+from . import logs, rendezvous
 from .backends import mpi as mpi_backend
 from .backends import nccl as nccl_backend
 from .backends.gloo import GlooCommunicator
@@ -27,7 +27,7 @@ from .process_sets import ProcessSet, global_process_set
 from .timeline import Timeline
 from .wire import Channel
 
-log = logging.getLogger("hvdlite")
+log = logging.getLogger(__name__)
 
 NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
 
@@ -53,15 +53,6 @@ _generation = 0
 _atexit_registered = False
 
 
-def _setup_logging(level: str) -> None:
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[hvdlite %(levelname)s] %(message)s"))
-        log.addHandler(handler)
-        log.propagate = False
-    log.setLevel({"TRACE": "DEBUG", "FATAL": "CRITICAL"}.get(level, level))
-
-
 def _connect(host: str, port: int, deadline: float) -> socket.socket:
     last = None
     while time.monotonic() < deadline:
@@ -85,7 +76,7 @@ def init(comm=None, process_sets=None) -> None:
         if _state is not None:
             return
         settings = Settings.from_env()
-        _setup_logging(settings.log_level)
+        logs.setup()  # HOROVOD_LOG_LEVEL / _HIDE_TIME, HVDLITE_LOG_FORMAT; propagates
         dynamic = settings.dynamic_process_sets
         static: list[ProcessSet] = []
         if process_sets == "dynamic":
@@ -101,6 +92,7 @@ def init(comm=None, process_sets=None) -> None:
         world = mpi_backend.world(comm) if (transport == "mpi" or mpi_backend.started_by_mpi()) \
             else None
         ident = mpi_backend.identity(world) if world is not None else rendezvous.identify()
+        logs.set_rank(ident.rank)
         if ident.size > 1 or ident.store_host is not None:
             for ps in static:
                 bad = [r for r in ps.ranks if not 0 <= r < ident.size]

@@ -26,7 +26,7 @@ from .response_cache import CoordinatorCache
 from .stall import StallInspector
 from .wire import Channel, ProtocolError
 
-log = logging.getLogger("hvdlite")
+log = logging.getLogger(__name__)
 
 
 @dataclass

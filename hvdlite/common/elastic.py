@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Optional
 from . import basics, rendezvous
 from .exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
-log = logging.getLogger("hvdlite")
+log = logging.getLogger(__name__)
 
 __all__ = ["State", "ObjectState", "HostUpdateResult", "run_fn", "broadcast_object",
            "is_elastic", "HorovodInternalError", "HostsUpdatedInterrupt"]

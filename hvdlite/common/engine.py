@@ -29,7 +29,7 @@ from .messages import (ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, ADASUM_O
 from .response_cache import RankCache
 from .wire import Channel, ProtocolError
 
-log = logging.getLogger("hvdlite")
+log = logging.getLogger(__name__)
 
 SHUT_DOWN_MESSAGE = ("Horovod has been shut down. This was caused by an exception on one of the "
                      "ranks or an attempt to allreduce, allgather or broadcast a tensor after one "

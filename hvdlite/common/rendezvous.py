@@ -36,7 +36,7 @@ import torch.distributed as dist
 from .exceptions import HorovodInternalError
 from .wire import Channel, ProtocolError
 
-log = logging.getLogger("hvdlite")
+log = logging.getLogger(__name__)
 
 # Set by hvdlite-run for elastic workers.
 ELASTIC_WORKER_ENV = "HVDLITE_ELASTIC_WORKER"    # "<host>:<slot>", stable for the process

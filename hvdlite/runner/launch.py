@@ -178,13 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     log = p.add_argument_group("logging arguments")
     log.add_argument("--log-level", dest="log_level", type=str.upper, choices=LOG_LEVELS,
-                     help="Minimum level logged by the engine (default WARNING).")
+                     help="Minimum level of hvdlite's log records (default WARNING; sets "
+                          "HOROVOD_LOG_LEVEL).")
     log_pair = log.add_mutually_exclusive_group()
     log_pair.add_argument("--log-with-timestamp", dest="log_with_timestamp",
-                          action="store_const", const=True, default=None, help=argparse.SUPPRESS)
-    log_pair.add_argument("--log-without-timestamp", dest="log_with_timestamp",
-                          action="store_const", const=False, default=None,
-                          help="Hide timestamps in the engine's log messages.")
+                          action="store_const", const=True, default=None,
+                          help="Show the time in hvdlite's log records (the default; sets "
+                               "HOROVOD_LOG_HIDE_TIME=0).")
+    log_pair.add_argument("--log-without-timestamp", "--log-hide-timestamp",
+                          dest="log_with_timestamp", action="store_const", const=False,
+                          default=None, help="Hide the time in hvdlite's log records (sets "
+                                             "HOROVOD_LOG_HIDE_TIME=1).")
     log.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp",
                      dest="prefix_output_with_timestamp", action="store_true",
                      help="Prefix every forwarded output line with a timestamp.")
