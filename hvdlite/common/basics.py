@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Optional
 
-from . import logs, rendezvous
+from . import hierarchical, logs, rendezvous
 from .backends import mpi as mpi_backend
 from .backends import nccl as nccl_backend
 from .backends.gloo import GlooCommunicator
@@ -168,6 +168,9 @@ def init(comm=None, process_sets=None) -> None:
             return GlooCommunicator(store, f"{prefix}pg/{set_id}/", ranks.index(ident.rank),
                                     len(ranks), settings.gloo_timeout_s)
 
+        if settings.hierarchical_allreduce:  # the one hook: the global set's CPU communicator
+            comm_factory = hierarchical.wrap_factory(comm_factory, ident.rank, topo["hosts"],
+                                                     ident.size)
         state.engine = Engine(rank=ident.rank, size=ident.size, settings=settings,
                               channel=channel, comm_factory=comm_factory, set_ranks=set_ranks,
                               timeline=timeline)

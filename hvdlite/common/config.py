@@ -63,6 +63,7 @@ class Settings:
     disable_group_fusion: bool = False
     log_level: str = "WARNING"
     dynamic_process_sets: bool = False
+    hierarchical_allreduce: bool = False   # hierarchical.py
     elastic: bool = False
     # How long rank 0 keeps coordinating other ranks after its own shutdown().
     shutdown_grace_s: float = 10.0
@@ -93,6 +94,7 @@ class Settings:
         s.disable_group_fusion = env_bool("DISABLE_GROUP_FUSION", False)
         s.log_level = (env("LOG_LEVEL") or s.log_level).upper()
         s.dynamic_process_sets = env_bool("DYNAMIC_PROCESS_SETS", False)
+        s.hierarchical_allreduce = env_bool("HIERARCHICAL_ALLREDUCE", False)
         s.elastic = env_bool("ELASTIC", False)
         s.shutdown_grace_s = env_float("SHUTDOWN_GRACE_SECONDS", s.shutdown_grace_s)
         s.autotune = env_bool("AUTOTUNE", False)
