@@ -80,20 +80,19 @@ def test_every_horovodrun_flag_parses(tmp_path):
         "--network-interface", "eth0", "--start-timeout", "40", "--disable-cache",
         "--output-filename", "/tmp/out", "--verbose", "--fusion-threshold-mb", "32",
         "--cycle-time-ms", "2", "--cache-capacity", "10", "--no-hierarchical-allreduce",
-        "--hierarchical-allgather", "--torus-allreduce", "--autotune", "--autotune-log-file",
+        "--no-hierarchical-allgather", "--no-torus-allreduce", "--autotune", "--autotune-log-file",
         "/tmp/a.csv", "--autotune-warmup-samples", "1", "--autotune-steps-per-sample", "2",
         "--autotune-bayes-opt-max-samples", "3", "--autotune-gaussian-process-noise", "0.1",
         "--slots-per-host", "2", "--elastic-timeout", "60", "--reset-limit", "3",
         "--blacklist-cooldown-range", "10", "100", "--timeline-filename", "/tmp/t.json",
         "--no-timeline-mark-cycles", "--no-stall-check", "--stall-check-warning-time-seconds", "5",
         "--stall-check-shutdown-time-seconds", "10", "--no-mpi-threads-disable", "--mpi-args=-x A",
-        "--tcp", "--binding-args=--bind-to none", "--num-nccl-streams", "2",
-        "--thread-affinity", "0,1", "--gloo-timeout-seconds", "20", "--log-level", "debug",
+        "--tcp", "--num-nccl-streams", "1", "--gloo-timeout-seconds", "20", "--log-level", "debug",
         "--log-without-timestamp", "-prefix-timestamp", "python", "train.py", "--lr", "0.1"])
     assert args.command == ["python", "train.py", "--lr", "0.1"]
     assert args.nics == ["eth0", "eth1", "eth2"]
     assert args.cooldown_range == [10, 100] and args.log_level == "DEBUG"
-    assert args.hierarchical_allreduce is False and args.hierarchical_allgather is True
+    assert args.hierarchical_allreduce is False and args.hierarchical_allgather is False
     assert args.host_list == [HostSpec("localhost", 4)] and not args.elastic
     elastic = parse_args(["--min-np", "1", "--max-np", "4", "--host-discovery-script", "d.sh",
                           "--jsrun", "python", "x.py"])
@@ -226,6 +225,33 @@ def test_not_available_yet(args, message):
     assert out.returncode == 2 and message in out.stderr, out.stderr
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, message", [
+    ("--hierarchical-allgather", "argument --hierarchical-allgather: not supported by hvdlite"),
+    ("--torus-allreduce", "argument --torus-allreduce: not supported by hvdlite; use "
+                          "--hierarchical-allreduce"),
+    ("--num-nccl-streams 2", "argument --num-nccl-streams: not supported by hvdlite"),
+    ("--thread-affinity 0,1", "argument --thread-affinity: not supported by hvdlite"),
+    ("--binding-args=-bind-to=core", "argument --binding-args: only applies to --mpi"),
+])
+def test_refused_flags(args, message):
+    """horovodrun flags for parts hvdlite lacks are refused with one line, never ignored."""
+    out = launch("-np", "1", *args.split(), "true", timeout=20)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert errors == [f"hvdlite-run: error: {message}"] or \
+        (len(errors) == 1 and message in errors[0]), out.stderr
+
+
+@pytest.mark.timeout(30)
+def test_refused_flag_from_config_file(tmp_path):
+    cfg = tmp_path / "hvd.yaml"
+    cfg.write_text("params:\n  torus_allreduce: true\n")
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["-np", "1", "--config-file", str(cfg), "true"])
+    assert exc.value.code == 2
+
+
 @pytest.mark.timeout(30)
 def test_missing_command():
     out = launch("-np", "2", "no-such-command-hvdlite", timeout=20)
@@ -307,25 +333,25 @@ def test_tuning_flags_become_env():
     out = launch(
         "-np", "1", "--fusion-threshold-mb", "32", "--cycle-time-ms", "2.5",
         "--cache-capacity", "512", "--hierarchical-allreduce", "--no-hierarchical-allgather",
-        "--torus-allreduce", "--autotune", "--autotune-log-file", "/tmp/at.csv",
+        "--no-torus-allreduce", "--autotune", "--autotune-log-file", "/tmp/at.csv",
         "--autotune-warmup-samples", "4", "--autotune-steps-per-sample", "11",
         "--autotune-bayes-opt-max-samples", "21", "--autotune-gaussian-process-noise", "0.5",
         "--timeline-filename", "/tmp/tl.json", "--timeline-mark-cycles", "--no-stall-check",
         "--stall-check-warning-time-seconds", "7", "--stall-check-shutdown-time-seconds", "9",
-        "--mpi-threads-disable", "--num-nccl-streams", "2", "--thread-affinity", "0,1",
+        "--mpi-threads-disable", "--num-nccl-streams", "1",
         "--gloo-timeout-seconds", "45", "--tcp", "--log-level", "debug", "--log-without-timestamp",
         PY, SCRIPTS / "env_dump.py")
     assert out.returncode == 0, out.stderr
     env = env_reports(out.stdout)[0]
     expected = {
         "FUSION_THRESHOLD": "33554432", "CYCLE_TIME": "2.5", "CACHE_CAPACITY": "512",
-        "HIERARCHICAL_ALLREDUCE": "1", "HIERARCHICAL_ALLGATHER": "0", "TORUS_ALLREDUCE": "1",
+        "HIERARCHICAL_ALLREDUCE": "1", "HIERARCHICAL_ALLGATHER": "0", "TORUS_ALLREDUCE": "0",
         "AUTOTUNE": "1", "AUTOTUNE_LOG": "/tmp/at.csv", "AUTOTUNE_WARMUP_SAMPLES": "4",
         "AUTOTUNE_STEPS_PER_SAMPLE": "11", "AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "21",
         "AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.5", "TIMELINE": "/tmp/tl.json",
         "TIMELINE_MARK_CYCLES": "1", "STALL_CHECK_DISABLE": "1", "STALL_CHECK_TIME_SECONDS": "7",
-        "STALL_SHUTDOWN_TIME_SECONDS": "9", "MPI_THREADS_DISABLE": "1", "NUM_NCCL_STREAMS": "2",
-        "THREAD_AFFINITY": "0,1", "GLOO_TIMEOUT_SECONDS": "45", "LOG_LEVEL": "DEBUG",
+        "STALL_SHUTDOWN_TIME_SECONDS": "9", "MPI_THREADS_DISABLE": "1", "NUM_NCCL_STREAMS": "1",
+        "GLOO_TIMEOUT_SECONDS": "45", "LOG_LEVEL": "DEBUG",
         "LOG_HIDE_TIME": "1",
     }
     for name, value in expected.items():
