@@ -31,8 +31,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import torch.distributed as dist
-
 from .exceptions import HorovodInternalError
 from .wire import Channel, ProtocolError
 
@@ -120,6 +118,8 @@ _stores: dict[tuple, object] = {}
 
 def connect_store(ident: Identity, timeout_s: float):
     """The job's store; kept for the life of the process so shutdown()/init() can reuse it."""
+    import torch.distributed as dist  # here, not at the top: hvdlite-run imports this module
+
     if ident.store_host is None:
         return dist.HashStore()
     key = (ident.store_host, ident.store_port, ident.store_is_master)
