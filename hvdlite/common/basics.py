@@ -18,6 +18,7 @@ from .backends import mpi as mpi_backend
 from .backends import nccl as nccl_backend
 from .backends.gloo import GlooCommunicator
 from .backends.local import SelfCommunicator
+from . import config
 from .config import Settings, env
 from .controller import Coordinator
 from .engine import Engine, Entry, Handle
@@ -77,6 +78,8 @@ def init(comm=None, process_sets=None) -> None:
             return
         settings = Settings.from_env()
         logs.setup()  # HOROVOD_LOG_LEVEL / _HIDE_TIME, HVDLITE_LOG_FORMAT; propagates
+        if not config.raw("HVDLITE_ENV_CHECKED"):  # hvdlite-run checked the names already
+            config.warn_misspelled(log.warning)
         dynamic = settings.dynamic_process_sets
         static: list[ProcessSet] = []
         if process_sets == "dynamic":
@@ -215,7 +218,7 @@ def _share_address(ident, store, prefix: str, port, settings) -> tuple[str, int]
 
 def _job_key(ident, store, prefix: str) -> bytes:
     """The per-job secret that signs every control message."""
-    secret = os.environ.get("HVDLITE_SECRET")
+    secret = config.raw("HVDLITE_SECRET")
     if secret:
         return bytes.fromhex(secret) if all(c in "0123456789abcdefABCDEF" for c in secret) \
             else secret.encode()

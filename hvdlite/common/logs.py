@@ -37,9 +37,11 @@ def set_rank(rank: Optional[int]) -> None:
 
 
 def _current_rank() -> str:
+    from .config import env
+
     if _rank is not None:
         return str(_rank)
-    return os.environ.get("HVDLITE_RANK") or os.environ.get("HOROVOD_RANK") or "-"
+    return env("RANK") or "-"
 
 
 class _Context(logging.Filter):

@@ -11,6 +11,7 @@ import socket
 
 import torch
 
+from .. import config
 from ..messages import MAX, MIN, PRODUCT, SUM
 
 try:
@@ -141,7 +142,7 @@ def world(comm=None):
 
 def identity(comm):
     from ..rendezvous import Identity
-    hostname = (os.environ.get("HVDLITE_HOSTNAME") or os.environ.get("HOROVOD_HOSTNAME")
+    hostname = (config.raw("HVDLITE_HOSTNAME") or config.raw("HOROVOD_HOSTNAME")
                 or socket.gethostname())
     return Identity(comm.Get_rank(), comm.Get_size(), None, None, False, "MPI", hostname)
 
@@ -172,7 +173,7 @@ def share_address(comm, port: int | None) -> tuple[str, int]:
     """Rank 0's coordinator address, given to every rank over MPI."""
     hosts = comm.allgather(socket.gethostname())
     if comm.Get_rank() == 0:
-        explicit = os.environ.get("HVDLITE_COORDINATOR_ADDR")
+        explicit = config.raw("HVDLITE_COORDINATOR_ADDR")
         if explicit:
             host = explicit
         elif len(set(hosts)) == 1:
