@@ -71,3 +71,21 @@ def test_launcher_warns_once_about_a_misspelled_variable():
     warnings = [line for line in out.stderr.splitlines() if "HVDLITE_CYCLE_TMIE" in line]
     assert warnings == ["hvdlite-run: warning: HVDLITE_CYCLE_TMIE is not a variable hvdlite "
                         "reads; did you mean HVDLITE_CYCLE_TIME?"], out.stderr
+
+
+def test_settings_defaults_match_the_registry():
+    """Settings (the engine's view) and the registry (the README's) state the same defaults."""
+    fields = {"fusion_threshold": "FUSION_THRESHOLD", "cycle_time_ms": "CYCLE_TIME",
+              "cache_capacity": "CACHE_CAPACITY", "stall_warning_s": "STALL_CHECK_TIME_SECONDS",
+              "stall_shutdown_s": "STALL_SHUTDOWN_TIME_SECONDS",
+              "gloo_timeout_s": "GLOO_TIMEOUT_SECONDS", "start_timeout_s": "START_TIMEOUT",
+              "shutdown_grace_s": "SHUTDOWN_GRACE_SECONDS", "log_level": "LOG_LEVEL",
+              "hierarchical_allreduce": "HIERARCHICAL_ALLREDUCE",
+              "autotune_warmup_samples": "AUTOTUNE_WARMUP_SAMPLES",
+              "autotune_steps_per_sample": "AUTOTUNE_STEPS_PER_SAMPLE",
+              "autotune_bayes_opt_max_samples": "AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+              "autotune_gaussian_process_noise": "AUTOTUNE_GAUSSIAN_PROCESS_NOISE"}
+    registry = {v.name: v.default for v in config.VARIABLES}
+    defaults = config.Settings()
+    for field, name in fields.items():
+        assert getattr(defaults, field) == registry[name], (field, name)
