@@ -15,54 +15,19 @@ import re
 
 import pytest
 
-from util import ROOT, hvdlite_run, rank_lines
+from util import ROOT, Run, hvdlite_run, rank_lines
 
 ENV = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "20", "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "60"}
 
 
-class Run:
-    def __init__(self, script, np, args=None, timeout=200):
-        self.script, self.np = script, np
-        proc = hvdlite_run(script, np=np, args=args, env=ENV, timeout=timeout)
-        self.stdout = proc.stdout
-        self.output = proc.stdout + "\n--- stderr\n" + proc.stderr
-        self.lines = {r: rank_lines(proc.stdout, r) for r in range(np)}
-
-    def check(self, name: str) -> None:
-        problems = []
-        for r, lines in self.lines.items():
-            mine = [i for i, line in enumerate(lines) if line.startswith(f"CHECK {name} ")]
-            if not mine:
-                problems.append(f"rank {r}: no result for check {name!r}")
-                continue
-            i = mine[-1]
-            if not lines[i].startswith(f"CHECK {name} OK"):
-                problems.append(f"rank {r}:\n" + "\n".join(
-                    [lines[i]] + [x for x in lines[i + 1:i + 30] if x.startswith("  |")]))
-        if problems:
-            pytest.fail(f"{self.script} -np {self.np}: check {name!r} failed\n"
-                        + "\n".join(problems) + f"\n--- tail\n{self.output[-3000:]}",
-                        pytrace=False)
-
-    def finished(self) -> None:
-        missing = [r for r, lines in self.lines.items()
-                   if not any(line.startswith("FINISHED ") for line in lines)]
-        if missing:
-            pytest.fail(f"{self.script} -np {self.np}: ranks {missing} did not finish\n"
-                        f"{self.output[-6000:]}", pytrace=False)
-
-    def tagged(self, rank: int, tag: str) -> list[str]:
-        return [x[len(tag) + 1:] for x in self.lines[rank] if x.startswith(tag + " ")]
-
-
 @pytest.fixture(scope="module")
 def np2():
-    return Run("parallel_checks.py", 2, ["tp", "pp", "stall"])
+    return Run("parallel_checks.py", 2, ["tp", "pp", "stall"], env=ENV, timeout=200)
 
 
 @pytest.fixture(scope="module")
 def np4():
-    return Run("parallel_checks.py", 4, ["tp", "pp", "3d"])
+    return Run("parallel_checks.py", 4, ["tp", "pp", "3d"], env=ENV, timeout=200)
 
 
 TP_CHECKS = ["init_slices", "mappings", "mlp", "embedding", "cross_entropy", "gpt", "rng",

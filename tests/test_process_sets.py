@@ -9,46 +9,17 @@ from __future__ import annotations
 
 import pytest
 
-from util import hvdlite_run, rank_lines
-
-
-def _launch(script: str, np: int = 4, timeout: float = 120) -> dict:
-    proc = hvdlite_run(script, np=np, timeout=timeout)
-    return {"script": script, "np": np, "output": proc.stdout + "\n--- stderr\n" + proc.stderr,
-            "lines": {r: rank_lines(proc.stdout, r) for r in range(np)}}
-
-
-def _assert_check(run: dict, name: str) -> None:
-    problems = []
-    for r, lines in run["lines"].items():
-        found = [i for i, line in enumerate(lines) if line.startswith(f"CHECK {name} ")]
-        if not found:
-            problems.append(f"rank {r}: no result for check {name!r}")
-        elif not lines[found[-1]].startswith(f"CHECK {name} OK"):
-            i = found[-1]
-            problems.append(f"rank {r}:\n" + "\n".join(
-                [lines[i]] + [x for x in lines[i + 1:i + 12] if x.startswith("  |")]))
-    if problems:
-        pytest.fail(f"{run['script']} -np {run['np']}: check {name!r} failed\n"
-                    + "\n".join(problems), pytrace=False)
-
-
-def _assert_finished(run: dict) -> None:
-    missing = [r for r, lines in run["lines"].items()
-               if not any(line.startswith("FINISHED ") for line in lines)]
-    if missing:
-        pytest.fail(f"{run['script']}: ranks {missing} did not finish\n{run['output'][-6000:]}",
-                    pytrace=False)
+from util import Run
 
 
 @pytest.fixture(scope="module")
 def static_run():
-    return _launch("ps_static.py")
+    return Run("ps_static.py", 4, timeout=120)
 
 
 @pytest.fixture(scope="module")
 def dynamic_run():
-    return _launch("ps_dynamic.py")
+    return Run("ps_dynamic.py", 4, timeout=120)
 
 
 @pytest.mark.timeout(150)
@@ -62,12 +33,12 @@ def dynamic_run():
     "errors",                  # non-member -> ValueError; root outside set; add_process_set refused
 ])
 def test_static_process_sets(static_run, name):
-    _assert_check(static_run, name)
+    static_run.check(name)
 
 
 @pytest.mark.timeout(150)
 def test_static_process_sets_finished(static_run):
-    _assert_finished(static_run)
+    static_run.finished()
 
 
 @pytest.mark.timeout(150)
@@ -79,9 +50,9 @@ def test_static_process_sets_finished(static_run):
     "reinit_dynamic",          # shutdown forgets sets; init("dynamic") again and add again
 ])
 def test_dynamic_process_sets(dynamic_run, name):
-    _assert_check(dynamic_run, name)
+    dynamic_run.check(name)
 
 
 @pytest.mark.timeout(150)
 def test_dynamic_process_sets_finished(dynamic_run):
-    _assert_finished(dynamic_run)
+    dynamic_run.finished()

@@ -10,44 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from util import hvdlite_run, rank_lines
+from util import Run
 
 # ---------------------------------------------------------------------------- helpers
-
-
-class Run:
-    """The output of one worker launch, split by rank."""
-
-    def __init__(self, script: str, np: int, args=None, env=None, timeout: float = 150):
-        self.script, self.np = script, np
-        proc = hvdlite_run(script, np=np, args=args, env=env, timeout=timeout)
-        self.output = proc.stdout + "\n--- stderr\n" + proc.stderr
-        self.lines = {r: rank_lines(proc.stdout, r) for r in range(np)}
-
-    def check(self, name: str) -> None:
-        """Every rank ran check `name` and reported OK."""
-        problems = []
-        for r, lines in self.lines.items():
-            mine = [i for i, line in enumerate(lines) if line.startswith(f"CHECK {name} ")]
-            if not mine:
-                problems.append(f"rank {r}: no result for check {name!r}")
-                continue
-            i = mine[-1]
-            if not lines[i].startswith(f"CHECK {name} OK"):
-                detail = [lines[i]] + [line for line in lines[i + 1:i + 12]
-                                       if line.startswith("  |")]
-                problems.append(f"rank {r}:\n" + "\n".join(detail))
-        if problems:
-            pytest.fail(f"{self.script} -np {self.np}: check {name!r} failed\n"
-                        + "\n".join(problems), pytrace=False)
-
-    def finished(self) -> None:
-        """Every rank got to the end of the script."""
-        missing = [r for r, lines in self.lines.items()
-                   if not any(line.startswith("FINISHED ") for line in lines)]
-        if missing:
-            pytest.fail(f"{self.script} -np {self.np}: ranks {missing} did not finish\n"
-                        f"{self.output[-6000:]}", pytrace=False)
 
 
 # ---------------------------------------------------------------------------- every op x dtype

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from util import hvdlite_run, rank_lines
+from util import Run, hvdlite_run, rank_lines
 
 CHECKS = [
     "named_parameters_average",
@@ -29,25 +29,24 @@ CHECKS = [
 
 
 @pytest.fixture(scope="module")
-def checks_output() -> str:
+def checks_output() -> Run:
     """One 2-rank launch runs every check; each test below reads its own result line."""
-    return hvdlite_run("torch_optimizer_checks.py", np=2, timeout=100).stdout
+    return Run("torch_optimizer_checks.py", np=2, timeout=100, check_exit=False)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("check", CHECKS)
 def test_distributed_optimizer(check, checks_output):
-    for rank in range(2):
-        lines = rank_lines(checks_output, rank)
-        assert f"OK {check}" in lines, f"rank {rank} did not pass {check}:\n{checks_output}"
+    checks_output.check(check)
 
 
 @pytest.mark.timeout(120)
 def test_every_check_ran(checks_output):
+    checks_output.finished()
     for rank in range(2):
-        lines = rank_lines(checks_output, rank)
-        assert lines[-1] == "ALL DONE"
-        assert sorted(line[3:] for line in lines if line.startswith("OK ")) == sorted(CHECKS)
+        ran = [line.split()[1] for line in checks_output.lines[rank]
+               if line.startswith("CHECK ")]
+        assert sorted(ran) == sorted(CHECKS), checks_output.output[-3000:]
 
 
 @pytest.mark.timeout(120)

@@ -84,3 +84,55 @@ def spawn_ranks(script: str | os.PathLike, np: int = 2, args: list[str] | None =
             raise AssertionError(f"rank {r} of {path.name} did not finish within {timeout} s")
         results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
     return results
+
+
+class Run:
+    """One worker launch, split by rank, judged by the harness's result protocol
+    (tests/workers/harness.py: `CHECK <name> OK|FAIL` lines, then `FINISHED`).
+
+    `check_exit=True` fails at once when the launcher exits non-zero (the whole output shown);
+    False keeps the output so each check can be judged on its own."""
+
+    def __init__(self, script: str, np: int = 2, args=None, env=None, timeout: float = 150,
+                 check_exit: bool = True, detail_lines: int = 30):
+        import pytest  # noqa: F401  (fail early if run outside pytest)
+        self.script, self.np = script, np
+        proc = hvdlite_run(script, np=np, args=args, env=env, timeout=timeout, check=check_exit)
+        self.returncode = proc.returncode
+        self.stdout = proc.stdout
+        self.output = proc.stdout + "\n--- stderr\n" + proc.stderr
+        self.lines = {r: rank_lines(proc.stdout, r) for r in range(np)}
+        self.detail_lines = detail_lines
+
+    def check(self, name: str) -> None:
+        """Every rank ran check `name` and reported OK."""
+        import pytest
+        problems = []
+        for r, lines in self.lines.items():
+            mine = [i for i, line in enumerate(lines) if line.startswith(f"CHECK {name} ")]
+            if not mine:
+                problems.append(f"rank {r}: no result for check {name!r}")
+                continue
+            i = mine[-1]
+            if not lines[i].startswith(f"CHECK {name} OK"):
+                detail = [lines[i]] + [line for line in lines[i + 1:i + self.detail_lines]
+                                       if line.startswith("  |")]
+                problems.append(f"rank {r}:\n" + "\n".join(detail))
+        if problems:
+            tail = "" if all("no result" not in p for p in problems) else \
+                "\n--- end of the output\n" + self.output[-5000:]
+            pytest.fail(f"{self.script} -np {self.np}: check {name!r} failed\n"
+                        + "\n".join(problems) + tail, pytrace=False)
+
+    def finished(self) -> None:
+        """Every rank got to the end of the script, and the launcher exited cleanly."""
+        import pytest
+        missing = [r for r, lines in self.lines.items()
+                   if not any(line.startswith("FINISHED ") for line in lines)]
+        if missing or self.returncode != 0:
+            pytest.fail(f"{self.script} -np {self.np}: exit code {self.returncode}, ranks "
+                        f"{missing} did not finish\n{self.output[-8000:]}", pytrace=False)
+
+    def tagged(self, rank: int, tag: str) -> list[str]:
+        """What rank `rank` printed after `tag ` (extra results a worker reports)."""
+        return [x[len(tag) + 1:] for x in self.lines[rank] if x.startswith(tag + " ")]

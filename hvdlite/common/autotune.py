@@ -4,7 +4,7 @@ ParameterManager, `HOROVOD_AUTOTUNE=1`).
 Only the coordinator tunes: it sees every response it releases, so it can score the current
 parameters by the tensor bytes it releases per unit of time without asking anyone. The fusion
 threshold is the coordinator's own setting; the cycle time belongs to every rank's engine, so the
-coordinator pushes each new value down its response stream as a `("P", cycle_time_ms)` item, which
+coordinator pushes each new value down its response stream as a `(Item.CYCLE_TIME, cycle_time_ms)` (`protocol.Item`) item, which
 `engine.py` applies.
 
 Search, as in Horovod (parameter_manager.cc, optim/bayesian_optimization.cc,
@@ -35,7 +35,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from .messages import (ADASUM_OP, ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER,
+from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER,
                        Response)
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ CYCLE_MS_BOUNDS = (1.0, 100.0)
 SEED_POINTS = ((4.0, 5.0), (32.0, 50.0), (16.0, 25.0), (8.0, 10.0))
 SAMPLES_PER_SCORE = 5           # Horovod's SAMPLES: one score is the median of this many samples
 EI_XI = 0.01
-DATA_TYPES = frozenset({ALLREDUCE, ADASUM_OP, ALLGATHER, BROADCAST, REDUCESCATTER, ALLTOALL})
+DATA_TYPES = frozenset({ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER, ALLTOALL})
 CSV_HEADER = ["sample", "phase", "cycle_time_ms", "fusion_threshold_mb", "score", "bytes",
               "seconds"]
 _AUTO_NAME = re.compile(r"^(.*\.noname\..*:\d+)\.\d+$")

@@ -1,6 +1,7 @@
 """Lifecycle and topology shared by every frontend: init, shutdown, rank, size, process sets.
 
-Frontends re-export these names and submit collectives through `submit`.
+Frontends re-export these names; collectives go through `ops` (the op layer), transports are
+chosen in `backends.select`.
 """
 from __future__ import annotations
 
@@ -13,18 +14,16 @@ import threading
 import time
 from typing import Optional
 
-from . import hierarchical, logs, rendezvous
+from . import config, hierarchical, logs, naming, rendezvous
 from .backends import mpi as mpi_backend
 from .backends import nccl as nccl_backend
-from .backends.gloo import GlooCommunicator
-from .backends.local import SelfCommunicator
-from . import config
-from .config import Settings, env
+from .backends import select
+from .config import Settings
 from .controller import Coordinator
-from .engine import Engine, Entry, Handle
+from .engine import Engine
 from .exceptions import HorovodInternalError
-from .messages import ADD_PROCESS_SET, REMOVE_PROCESS_SET, Request
 from .process_sets import ProcessSet, global_process_set
+from .protocol import Msg
 from .timeline import Timeline
 from .wire import Channel
 
@@ -90,10 +89,8 @@ def init(comm=None, process_sets=None) -> None:
                 if not isinstance(ps, ProcessSet) or ps.ranks is None:
                     raise ValueError("init(process_sets=...) takes a list of ProcessSet built "
                                      "from rank lists, or 'dynamic'")
-        transport = _choose_transport(comm)
-        # Under mpirun (or with init(comm=...)) ranks meet over MPI, whatever the transport.
-        world = mpi_backend.world(comm) if (transport == "mpi" or mpi_backend.started_by_mpi()) \
-            else None
+        transport = select.choose_transport(comm)
+        world = select.mpi_world(transport, comm)
         ident = mpi_backend.identity(world) if world is not None else rendezvous.identify()
         logs.set_rank(ident.rank)
         if ident.size > 1 or ident.store_host is not None:
@@ -107,8 +104,7 @@ def init(comm=None, process_sets=None) -> None:
         if ident.round is not None:
             # Elastic round: a worker that joins now must name unnamed collectives as the
             # survivors do, so call-site counters restart with the round on every rank.
-            with _site_lock:
-                _site_counters.clear()
+            naming.reset()
         if world is None:
             store = rendezvous.connect_store(ident, settings.start_timeout_s)
         else:
@@ -134,7 +130,7 @@ def init(comm=None, process_sets=None) -> None:
             host, port = _share_address(ident, store, prefix, port, settings)
         sock = _connect(host, int(port), deadline)
         channel = Channel(sock, key)
-        channel.send(("H", {"rank": ident.rank, "size": ident.size, "hostname": ident.hostname,
+        channel.send((Msg.HELLO, {"rank": ident.rank, "size": ident.size, "hostname": ident.hostname,
                             "pid": os.getpid(), "dynamic": dynamic,
                             "process_sets": [ps.ranks for ps in static]}))
         try:
@@ -144,7 +140,7 @@ def init(comm=None, process_sets=None) -> None:
             if state.coordinator is not None:
                 state.coordinator.stop()
             raise HorovodInternalError(f"rank {ident.rank} could not join the job: {exc}") from exc
-        if reply[0] == "F":
+        if reply[0] == Msg.FATAL:
             channel.close()
             if state.coordinator is not None:
                 state.coordinator.stop()
@@ -159,47 +155,18 @@ def init(comm=None, process_sets=None) -> None:
         global_process_set.ranks = list(range(ident.size))
         state.sets[0] = global_process_set
 
-        def comm_factory(set_id: int, ranks: list, kind: str = "cpu"):
-            if len(ranks) == 1:
-                return SelfCommunicator()
-            if kind == "cuda" and nccl_backend.available():
-                return nccl_backend.NCCLCommunicator(store, f"{prefix}nccl/{set_id}/",
-                                                     ranks.index(ident.rank), len(ranks),
-                                                     settings.gloo_timeout_s)
-            if transport == "mpi":
-                return mpi_backend.MPICommunicator.for_ranks(world, ranks)
-            return GlooCommunicator(store, f"{prefix}pg/{set_id}/", ranks.index(ident.rank),
-                                    len(ranks), settings.gloo_timeout_s)
-
+        factory = select.comm_factory(transport, store=store, prefix=prefix, world=world,
+                                      rank=ident.rank, timeout_s=settings.gloo_timeout_s)
         if settings.hierarchical_allreduce:  # the one hook: the global set's CPU communicator
-            comm_factory = hierarchical.wrap_factory(comm_factory, ident.rank, topo["hosts"],
-                                                     ident.size)
+            factory = hierarchical.wrap_factory(factory, ident.rank, topo["hosts"], ident.size)
         state.engine = Engine(rank=ident.rank, size=ident.size, settings=settings,
-                              channel=channel, comm_factory=comm_factory, set_ranks=set_ranks,
+                              channel=channel, comm_factory=factory, set_ranks=set_ranks,
                               timeline=timeline)
         state.transport = transport
         _state = state
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
-
-
-def _choose_transport(comm) -> str:
-    """gloo or mpi, as Horovod's HOROVOD_CPU_OPERATIONS says; under mpirun, MPI by default."""
-    choice = (env("CPU_OPERATIONS") or "").strip().lower()
-    if choice not in ("", "gloo", "mpi"):
-        raise ValueError(f"HOROVOD_CPU_OPERATIONS={choice!r}: hvdlite supports 'gloo' and 'mpi'")
-    if comm is not None and choice == "gloo":
-        raise ValueError("init(comm=...) takes an MPI communicator, but HOROVOD_CPU_OPERATIONS "
-                         "is 'gloo'; unset it or set it to 'mpi'.")
-    if comm is not None or choice == "mpi":
-        if not mpi_backend.available():
-            raise ValueError("the MPI transport needs mpi4py and an MPI library: "
-                             "pip install mpi4py mpich (or use HOROVOD_CPU_OPERATIONS=gloo)")
-        return "mpi"
-    if not choice and mpi_backend.launched_by_mpi() and mpi_backend.available():
-        return "mpi"
-    return "gloo"
 
 
 def _share_address(ident, store, prefix: str, port, settings) -> tuple[str, int]:
@@ -303,26 +270,23 @@ def engine() -> Engine:
     return _require().engine
 
 
-def submit(entries: list[Entry]) -> Handle:
-    """Hand tensors to the engine; the single entry point for every frontend collective."""
-    return _require().engine.enqueue(entries)
-
-
-def wait(handle: Handle) -> list:
-    state = _state
-    alive = state.engine.alive if state is not None else None
-    return handle.wait(alive)
-
-
 # ---------------------------------------------------------------------- process sets
-def _resolve_set(process_set) -> int:
-    if process_set is None:
-        return 0
-    sid = process_set.process_set_id
-    if sid is None:
-        raise ValueError(f"{process_set} is not registered: pass it to init(process_sets=...) or "
-                         f"add_process_set() first")
-    return sid
+def find_process_set(ranks) -> Optional[ProcessSet]:
+    """The registered process set with exactly these global ranks (any order), or None."""
+    state = _require()
+    want = sorted(int(r) for r in ranks)
+    if want == list(range(state.size)):
+        return global_process_set
+    for sid in sorted(state.sets):
+        ps = state.sets[sid]
+        if ps.process_set_id is not None and ps.ranks is not None and sorted(ps.ranks) == want:
+            return ps
+    return None
+
+
+def dynamic_process_sets() -> bool:
+    """True when this job may add and remove process sets after init()."""
+    return _require().dynamic
 
 
 def add_process_set(process_set) -> ProcessSet:
@@ -337,11 +301,11 @@ def add_process_set(process_set) -> ProcessSet:
                          "hvd.init(process_sets='dynamic') or set HOROVOD_DYNAMIC_PROCESS_SETS=1.")
     if ps.process_set_id is not None:
         raise ValueError(f"{ps} is already registered")
+    from . import ops
     state.add_counter += 1
-    req = Request(rank=state.rank, name=f"process_set.add.{state.add_counter}",
-                  type=ADD_PROCESS_SET, extra=tuple(ps.ranks), cacheable=False)
     try:
-        (sid,) = wait(submit([Entry(req)]))
+        sid = ops.process_set_change(f"process_set.add.{state.add_counter}", tuple(ps.ranks),
+                                     add=True).wait()
     except HorovodInternalError as exc:
         raise ValueError(str(exc)) from None
     ps.process_set_id = sid
@@ -357,11 +321,10 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         return False
     if sid == 0:
         raise ValueError("the global process set cannot be removed")
+    from . import ops
     state.add_counter += 1
-    req = Request(rank=state.rank, name=f"process_set.remove.{state.add_counter}",
-                  type=REMOVE_PROCESS_SET, extra=sid, cacheable=False)
     try:
-        wait(submit([Entry(req)]))
+        ops.process_set_change(f"process_set.remove.{state.add_counter}", sid, add=False).wait()
     except HorovodInternalError as exc:
         raise ValueError(str(exc)) from None
     process_set._invalidate()
@@ -383,28 +346,9 @@ def stop_timeline() -> None:
         state.timeline.stop()
 
 
-# ---------------------------------------------------------------------- naming
-_site_counters: dict[tuple, int] = {}
-_site_lock = threading.Lock()
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def auto_name(op: str, set_id: int = 0) -> str:
-    """A name for an unnamed collective that is identical on every rank: the calling line in the
-    user's code plus how many times that line has run for this process set. (Horovod used a
-    global handle counter, which breaks as soon as ranks interleave calls differently.)"""
-    frame = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PKG_DIR):
-        frame = frame.f_back
-    if frame is None:
-        site = ("?", 0)
-    else:
-        site = (os.path.basename(frame.f_code.co_filename), frame.f_lineno)
-    key = (op, set_id) + site
-    with _site_lock:
-        n = _site_counters.get(key, 0)
-        _site_counters[key] = n + 1
-    return f"{op}.noname.{site[0]}:{site[1]}.{n}"
+    """Kept for compatibility: see `naming.auto_name`."""
+    return naming.auto_name(op, set_id)
 
 
 # ---------------------------------------------------------------------- build info

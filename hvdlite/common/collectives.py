@@ -14,7 +14,7 @@ import threading
 import torch
 
 from . import adasum as _adasum
-from .messages import (ADASUM, ADASUM_OP, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BROADCAST,
+from .messages import (ADASUM, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BROADCAST,
                        REDUCESCATTER, SUM, Response)
 
 DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
@@ -323,7 +323,7 @@ def run(executor: Executor, comm, resp: Response, entries: list):
         if e is not None and e.ready_event is not None:
             torch.cuda.current_stream(e.tensor.device).wait_event(e.ready_event)
     inputs = [e.tensor if e is not None else None for e in entries]
-    if t in (ALLREDUCE, ADASUM_OP):
+    if t == ALLREDUCE:
         dtype = DTYPES[resp.dtype]
         outputs = [e.output if e is not None else None for e in entries]
         if any(i is None for i in inputs):

@@ -22,6 +22,7 @@ from .fusion import fuse_responses
 from .messages import (ADD_PROCESS_SET, CACHEABLE_TYPES, ERROR, JOIN, REMOVE_PROCESS_SET,
                        TYPE_NAMES, Request, Response)
 from .negotiation import construct_response
+from .protocol import Item, Msg
 from .response_cache import CoordinatorCache
 from .stall import StallInspector
 from .wire import Channel, ProtocolError
@@ -183,7 +184,7 @@ class Coordinator:
         return True
 
     def _accept_hello(self, peer: _Peer, msg) -> str | None:
-        if not (isinstance(msg, tuple) and msg and msg[0] == "H"):
+        if not (isinstance(msg, tuple) and msg and msg[0] == Msg.HELLO):
             return "a rank sent an unexpected first message to the coordinator"
         hello = msg[1]
         rank, size = hello["rank"], hello["size"]
@@ -244,7 +245,7 @@ class Coordinator:
                 "process_set_ids": set_ids,
                 "hosts": {r: self.peers[r].hostname for r in range(self.size)},
             }
-            self.peers[h["rank"]].channel.send(("T", topo))
+            self.peers[h["rank"]].channel.send((Msg.TOPOLOGY, topo))
 
     # ------------------------------------------------------------------ main loop
     def _serve(self) -> None:
@@ -306,7 +307,7 @@ class Coordinator:
         self._fatal_sent = True
         for peer in list(self.peers.values()):
             try:
-                peer.channel.send(("F", message))
+                peer.channel.send((Msg.FATAL, message))
             except OSError:
                 pass
 
@@ -316,7 +317,7 @@ class Coordinator:
             if peer is None or not items:
                 continue
             try:
-                peer.channel.send(("R", items))
+                peer.channel.send((Msg.RESPONSES, items))
             except OSError:
                 pass  # its loss shows up as EOF on the next select
         out.clear()
@@ -324,7 +325,7 @@ class Coordinator:
     # ------------------------------------------------------------------ messages
     def _handle(self, rank: int, msg, out: dict) -> None:
         kind = msg[0]
-        if kind == "Q":
+        if kind == Msg.QUERY:
             _, requests, hits = msg
             ready: list[tuple[SetState, Response]] = []
             for req in requests:
@@ -332,11 +333,11 @@ class Coordinator:
             for set_id, mask in hits:
                 self._on_hits(rank, set_id, mask, ready, out)
             self._release(ready, out)
-        elif kind == "S":
+        elif kind == Msg.SHUTDOWN:
             self._on_shutdown(rank, out)
-        elif kind == "X":
+        elif kind == Msg.FAILED:
             self._stop_with(f"rank {rank} failed while running a collective: {msg[1]}", out)
-        elif kind == "TL":
+        elif kind == Msg.TIMELINE:
             if self.timeline is not None:
                 self.timeline.control(*msg[1:])
 
@@ -351,7 +352,7 @@ class Coordinator:
         return s
 
     def _send_error(self, rank: int, set_id: int, names: list, message: str, out: dict) -> None:
-        out.setdefault(rank, []).append(("R", Response(type=ERROR, names=list(names),
+        out.setdefault(rank, []).append((Item.RESPONSE, Response(type=ERROR, names=list(names),
                                                        process_set_id=set_id, error=message)))
 
     def _on_request(self, rank: int, req: Request, ready: list, out: dict) -> None:
@@ -446,7 +447,7 @@ class Coordinator:
                 else:
                     self._add_to_table(s, idx, entry.requests[idx], ready)
             if resend:
-                out.setdefault(rank, []).append(("B", set_id, resend))
+                out.setdefault(rank, []).append((Item.RESEND, set_id, resend))
         now = time.monotonic()
         new = mask & ~s.pending_bits[idx]
         while new:
@@ -570,7 +571,7 @@ class Coordinator:
     # ------------------------------------------------------------------ release
     def _announce_evictions(self, s: SetState, bits: list, out: dict) -> None:
         for g in s.ranks:
-            out.setdefault(g, []).append(("E", s.id, list(bits)))
+            out.setdefault(g, []).append((Item.EVICT, s.id, list(bits)))
 
     def _release(self, ready: list, out: dict) -> None:
         self._release_ready(ready, out)
@@ -606,17 +607,17 @@ class Coordinator:
                                group_fusion=not self.settings.disable_group_fusion)
         if self.autotune is not None:
             # Autotune hook: score what was released; a new cycle time goes to every rank ahead
-            # of these responses (the engine applies ("P", ms) items).
+            # of these responses (the engine applies Item.CYCLE_TIME items).
             cycle_ms = self.autotune.observe(fused)
             if cycle_ms is not None:
                 for g in self.peers:
-                    out.setdefault(g, []).append(("P", cycle_ms))
+                    out.setdefault(g, []).append((Item.CYCLE_TIME, cycle_ms))
         for resp in fused:
             s = by_id[resp.process_set_id]
             bits = resp.cache_bits or []
             compact = (resp.type in CACHEABLE_TYPES and bits and all(b >= 0 for b in bits)
                        and not any((s.id, b) in self._fresh for b in bits))
-            item = ("C", s.id, tuple(bits), resp.joined) if compact else ("R", resp)
+            item = (Item.CACHED, s.id, tuple(bits), resp.joined) if compact else (Item.RESPONSE, resp)
             for g in s.ranks:
                 out.setdefault(g, []).append(item)
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import io
 import logging
 import queue
 from typing import Any, Callable, Iterable, Optional
@@ -53,46 +52,20 @@ def _engine_allgather_int64(values: list[int], name: str) -> list[list[int]]:
     """Every rank's `values` (same length everywhere), in rank order."""
     import torch
 
-    from .engine import Entry
-    from .messages import ALLGATHER, Request
+    from . import ops
 
     t = torch.tensor([list(values)], dtype=torch.int64)
-    req = Request(rank=basics.rank(), name=name, type=ALLGATHER, dtype="int64",
-                  shape=tuple(t.shape), device=-1, process_set_id=0, cacheable=True)
-    (out,) = basics.wait(basics.submit([Entry(req, t)]))
+    (out,) = ops.allgather([t], names=name, cacheable=True).wait()
     return [list(map(int, row)) for row in out.reshape(-1, len(values)).tolist()]
-
-
-def _engine_broadcast_(tensor, root_rank: int, name: str, cacheable: bool) -> None:
-    from .engine import Entry
-    from .messages import BROADCAST, Request
-
-    dtype = {"torch.int64": "int64", "torch.uint8": "uint8"}[str(tensor.dtype)]
-    req = Request(rank=basics.rank(), name=name, type=BROADCAST, dtype=dtype,
-                  shape=tuple(tensor.shape), root_rank=int(root_rank), device=-1,
-                  process_set_id=0, cacheable=cacheable)
-    basics.wait(basics.submit([Entry(req, tensor, tensor)]))
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
     """Pickle `obj` on `root_rank` and return it on every rank (framework-independent)."""
-    import cloudpickle
-    import torch
+    from . import ops
 
     if basics.size() == 1:
         return obj
-    name = name or "hvdlite.elastic.broadcast_object"
-    is_root = basics.rank() == root_rank
-    data = cloudpickle.dumps(obj) if is_root else b""
-    length = torch.tensor([len(data)], dtype=torch.int64)
-    _engine_broadcast_(length, root_rank, name + ".sz", cacheable=True)
-    n = int(length.item())
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if is_root \
-        else torch.empty(n, dtype=torch.uint8)
-    _engine_broadcast_(buf, root_rank, name + ".data", cacheable=False)
-    if is_root:
-        return obj
-    return cloudpickle.load(io.BytesIO(buf.numpy().tobytes()))
+    return ops.broadcast_object(obj, root_rank, name or "hvdlite.elastic.broadcast_object")
 
 
 # ---------------------------------------------------------------------- states

@@ -22,10 +22,11 @@ from typing import Any, Callable
 
 from . import collectives
 from .exceptions import HorovodInternalError
-from .backends.local import DONE
-from .messages import (ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, ADASUM_OP, BARRIER,
+from .backends.base import DONE
+from .messages import (ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER,
                        BROADCAST, ERROR, JOIN, REDUCESCATTER, REMOVE_PROCESS_SET, TYPE_NAMES,
                        Request, Response)
+from .protocol import Item, Msg
 from .response_cache import RankCache
 from .wire import Channel, ProtocolError
 
@@ -61,28 +62,62 @@ class Handle:
             finished = self._pending <= 0
         if finished and not self._event.is_set():
             self._event.set()
+            self._fire()
 
     def _fail(self, error: str) -> None:
         with self._lock:
             if self.error is None:
                 self.error = error
             self._pending = 0
+            fire = not self._event.is_set()
         self._event.set()
+        if fire:
+            self._fire()
 
-    def wait(self, alive: Callable[[], bool] | None = None) -> list:
-        """Results of every entry, in order; raises HorovodInternalError on failure."""
-        while not self._event.wait(1.0):
+    def _fire(self) -> None:
+        """Run the completion callbacks (on the engine's thread that completed the handle)."""
+        with self._lock:
+            callbacks, self.callbacks = self.callbacks, []
+        for cb in callbacks:
+            try:
+                cb()
+            except Exception:  # a user's callback must not kill the engine's threads
+                log.exception("hvdlite: a completion callback raised")
+
+    def add_callback(self, cb: Callable[[], None]) -> None:
+        """Call `cb()` once the handle completes (at once if it already has)."""
+        with self._lock:
+            if not self._event.is_set():
+                self.callbacks.append(cb)
+                return
+        cb()
+
+    def wait(self, alive: Callable[[], bool] | None = None,
+             timeout: float | None = None) -> list:
+        """Results of every entry, in order; raises HorovodInternalError on failure, and
+        TimeoutError (leaving the handle usable) when `timeout` seconds pass first."""
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        while True:
+            step = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
+            if self._event.wait(step):
+                break
             if alive is not None and not alive():
                 if not self._event.is_set():
                     raise HorovodInternalError(
                         "the hvdlite background thread stopped before this collective finished; "
                         "see the errors above")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"collective {self.names()} did not finish within "
+                                   f"{timeout:g} s")
         release, self._release = self._release, None
         if release is not None:
             release()
         if self.error is not None:
             raise HorovodInternalError(self.error)
         return [e.result for e in self.entries]
+
+    def names(self) -> list:
+        return [e.request.name for e in self.entries[:4]]
 
 
 @dataclass(slots=True)
@@ -224,7 +259,7 @@ class Engine:
             self._close(f"hvdlite background thread failed on rank {self.rank}: {exc!r}")
         finally:
             self._transport.put(None)
-            # Closing the channel tells the coordinator this rank is gone (a crash, unless "S"
+            # Closing the channel tells the coordinator this rank is gone (a crash, unless SHUTDOWN
             # was sent first).
             self.channel.close()
             try:
@@ -278,7 +313,7 @@ class Engine:
     def _finish_shutdown(self) -> None:
         self._close(SHUT_DOWN_MESSAGE)
         try:
-            self.channel.send(("S",))
+            self.channel.send((Msg.SHUTDOWN,))
         except OSError:
             pass
         self.channel.close()
@@ -306,7 +341,7 @@ class Engine:
         if self.timeline is not None and self.timeline.enabled:
             self.timeline.cycle()
         try:
-            self.channel.send(("Q", full, list(masks.items())))
+            self.channel.send((Msg.QUERY, full, list(masks.items())))
         except OSError as exc:
             self._close(f"rank {self.rank} could not reach the coordinator: {exc}")
 
@@ -319,7 +354,7 @@ class Engine:
         for e_bit in wanted:
             self.cache.evict(set_id, [e_bit])
         try:
-            self.channel.send(("Q", reqs, []))
+            self.channel.send((Msg.QUERY, reqs, []))
         except OSError as exc:
             self._close(f"rank {self.rank} could not reach the coordinator: {exc}")
 
@@ -329,25 +364,25 @@ class Engine:
 
     def _on_message(self, msg) -> bool:
         kind = msg[0]
-        if kind == "R":
+        if kind == Msg.RESPONSES:
             for item in msg[1]:
                 tag = item[0]
-                if tag == "R":
+                if tag == Item.RESPONSE:
                     self._execute(item[1])
-                elif tag == "C":
+                elif tag == Item.CACHED:
                     _, set_id, bits, joined = item
                     self._execute(self.cache.expand(set_id, bits, joined))
-                elif tag == "E":
+                elif tag == Item.EVICT:
                     self.cache.evict(item[1], item[2])
-                elif tag == "B":
+                elif tag == Item.RESEND:
                     self._resend(item[1], item[2])
-                elif tag == "P":
+                elif tag == Item.CYCLE_TIME:
                     # Autotune hook: the coordinator's tuner set a new cycle time (ms).
                     self.cycle_s = max(float(item[1]), 0.0) / 1000.0
                 if self._closed is not None:
                     return False
             return True
-        if kind == "F":
+        if kind == Msg.FATAL:
             self._close(msg[1])
             return False
         return True
@@ -480,7 +515,7 @@ class Engine:
 
     def _report_failure(self, message: str) -> None:
         try:
-            self.channel.send(("X", message))
+            self.channel.send((Msg.FAILED, message))
         except OSError:
             pass
         self._close(message)

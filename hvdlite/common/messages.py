@@ -30,20 +30,22 @@ def handle_average_backwards_compatibility(op, average):
     return AVERAGE
 
 
-# Request / response types.
-ALLREDUCE, ALLGATHER, BROADCAST, JOIN, ADASUM_OP, ALLTOALL, BARRIER, REDUCESCATTER = range(8)
+# Request / response types. (Horovod's ADASUM request type, 4, is not used: Adasum travels as
+# ALLREDUCE with reduce_op=ADASUM.) The control frames that carry them: `protocol.Msg`.
+ALLREDUCE, ALLGATHER, BROADCAST, JOIN = 0, 1, 2, 3
+ALLTOALL, BARRIER, REDUCESCATTER = 5, 6, 7
 ADD_PROCESS_SET, REMOVE_PROCESS_SET, ERROR = 8, 9, 10
 TYPE_NAMES = {ALLREDUCE: "ALLREDUCE", ALLGATHER: "ALLGATHER", BROADCAST: "BROADCAST", JOIN: "JOIN",
-              ADASUM_OP: "ADASUM", ALLTOALL: "ALLTOALL", BARRIER: "BARRIER",
+              ALLTOALL: "ALLTOALL", BARRIER: "BARRIER",
               REDUCESCATTER: "REDUCESCATTER", ADD_PROCESS_SET: "ADD_PROCESS_SET",
               REMOVE_PROCESS_SET: "REMOVE_PROCESS_SET", ERROR: "ERROR"}
 
 # Types whose responses the coordinator may cache (steady-state training repeats them).
-CACHEABLE_TYPES = frozenset({ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER, ADASUM_OP})
+CACHEABLE_TYPES = frozenset({ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER})
 # Types that may be fused into one transport call.
 FUSABLE_TYPES = frozenset({ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER})
 # Types that reduce: they need identical shapes on every rank and a reduce op.
-REDUCING_TYPES = frozenset({ALLREDUCE, ADASUM_OP, REDUCESCATTER})
+REDUCING_TYPES = frozenset({ALLREDUCE, REDUCESCATTER})
 
 ITEMSIZE = {"uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2,
             "bfloat16": 2, "float32": 4, "float64": 8, "bool": 1}

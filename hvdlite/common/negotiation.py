@@ -4,7 +4,7 @@ This is where a mismatch becomes a clear message instead of a hang or silent cor
 """
 from __future__ import annotations
 
-from .messages import (ADASUM_OP, ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, ERROR,
+from .messages import (ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, ERROR,
                        REDUCE_OP_NAMES, REDUCING_TYPES, REMOVE_PROCESS_SET, TYPE_NAMES, Request,
                        Response)
 
@@ -98,7 +98,7 @@ def construct_response(name: str, requests: dict[int, Request], set_ranks: list[
         if first.root_rank not in set_ranks:
             return _error(name, first, f"BROADCAST of tensor '{name}': root rank {first.root_rank} "
                                        f"is not a member of the process set (ranks {set_ranks}).")
-    if joined and first.type not in (ALLREDUCE, ADASUM_OP):
+    if joined and first.type != ALLREDUCE:
         return _error(name, first,
                       f"{op} of tensor '{name}' is not supported after ranks "
                       f"{sorted(g[r] for r in joined)} called join(): only allreduce can complete "

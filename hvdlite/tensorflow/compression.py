@@ -1,53 +1,28 @@
-"""Gradient compression for allreduce (Horovod's `hvd.Compression` for TensorFlow)."""
+"""Gradient compression for allreduce (Horovod's `hvd.Compression` for TensorFlow): the shared
+compressors of `common.compression`, with TensorFlow's casts."""
 from __future__ import annotations
 
 import tensorflow as tf
 
-
-class Compressor:
-    """Interface for compressing and decompressing a given tensor."""
-
-    @staticmethod
-    def compress(tensor):
-        """Compresses a tensor and returns it with the context needed to decompress it."""
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        """Decompress the tensor with the given context."""
+from ..common import compression as _c
+from ..common.compression import Compressor, NoneCompressor
 
 
-class NoneCompressor(Compressor):
-    """Default: no compression."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
-
-
-class FP16Compressor(Compressor):
+class FP16Compressor(_c.CastCompressor):
     """Send floating-point tensors as float16, halving the bytes on the wire."""
 
-    @staticmethod
-    def compress(tensor):
-        tensor_compressed = tensor
-        if tensor.dtype.is_floating:
-            tensor_compressed = tf.cast(tensor, dtype=tf.float16)
-        return tensor_compressed, tensor.dtype
+    HALF = tf.float16
 
     @staticmethod
-    def decompress(tensor, ctx):
-        dtype = ctx
-        tensor_decompressed = tensor
-        if dtype.is_floating:
-            tensor_decompressed = tf.cast(tensor, dtype=dtype)
-        return tensor_decompressed
+    def is_floating(dtype) -> bool:
+        return dtype.is_floating
+
+    @staticmethod
+    def cast(tensor, dtype):
+        return tf.cast(tensor, dtype=dtype)
 
 
-class Compression:
+class Compression(_c.Compression):
     """Optional gradient compression algorithm used during allreduce."""
 
     none = NoneCompressor

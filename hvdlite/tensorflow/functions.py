@@ -2,16 +2,9 @@
 (horovod/tensorflow/functions.py)."""
 from __future__ import annotations
 
-import io
-
-import cloudpickle
-import numpy as np
 import tensorflow as tf
-import torch
 
-from ..common import basics as _basics
-from ..common.engine import Entry
-from ..common.messages import ALLGATHER, BROADCAST, Request
+from ..common import ops as _cops
 from . import mpi_ops as _ops
 from .mpi_ops import broadcast_, broadcast_group, global_process_set
 
@@ -49,16 +42,6 @@ def _python_only(what: str) -> None:
                          f"outside tf.function (it would run once, while tracing)")
 
 
-def _submit_wait(entries):
-    return _basics.wait(_basics.submit(entries))
-
-
-def _bytes_of(obj) -> torch.Tensor:
-    buf = io.BytesIO()
-    cloudpickle.dump(obj, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-
-
 def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):
     """Pickle `obj` on `root_rank` (a global rank) and return it on every rank of the set.
 
@@ -67,27 +50,7 @@ def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=glob
     the object's type name, which hangs when non-root ranks pass an object of another type).
     """
     _python_only("broadcast_object")
-    name = name or "broadcast_object"
-    set_id = _ops._set_id(process_set)
-    me = _basics.rank()
-    if me == root_rank:
-        payload = _bytes_of(obj)
-        sz = torch.tensor([payload.numel()], dtype=torch.int64)
-    else:
-        payload = None
-        sz = torch.zeros(1, dtype=torch.int64)
-    req = Request(rank=me, name=name + ".sz", type=BROADCAST, dtype="int64", shape=(1,),
-                  root_rank=int(root_rank), process_set_id=set_id)
-    (sz,) = _submit_wait([Entry(req, sz, sz)])
-    n = int(sz[0])
-    if payload is None:
-        payload = torch.empty(n, dtype=torch.uint8)
-    req = Request(rank=me, name=name + ".t", type=BROADCAST, dtype="uint8", shape=(n,),
-                  root_rank=int(root_rank), process_set_id=set_id, cacheable=False)
-    (payload,) = _submit_wait([Entry(req, payload, payload)])
-    if me == root_rank:
-        return obj
-    return cloudpickle.loads(payload.numpy().tobytes())
+    return _cops.broadcast_object(obj, root_rank, name, process_set)
 
 
 def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
@@ -102,24 +65,7 @@ def allgather_object(obj, session=None, name=None, process_set=global_process_se
     """Pickle `obj` on every rank of the set and return the list of all of them, in set-rank
     order. `name` defaults to "allgather_object"."""
     _python_only("allgather_object")
-    name = name or "allgather_object"
-    set_id = _ops._set_id(process_set)
-    me = _basics.rank()
-    payload = _bytes_of(obj)
-    sz = torch.tensor([payload.numel()], dtype=torch.int64)
-    req = Request(rank=me, name=name + ".sz", type=ALLGATHER, dtype="int64", shape=(1,),
-                  process_set_id=set_id)
-    (sizes,) = _submit_wait([Entry(req, sz)])
-    req = Request(rank=me, name=name + ".t", type=ALLGATHER, dtype="uint8",
-                  shape=(payload.numel(),), process_set_id=set_id, cacheable=False)
-    (gathered,) = _submit_wait([Entry(req, payload)])
-    sizes = sizes.numpy().astype(np.int64)
-    data = gathered.numpy().tobytes()
-    out, start = [], 0
-    for n in sizes:
-        out.append(cloudpickle.loads(data[start:start + int(n)]))
-        start += int(n)
-    return out
+    return _cops.allgather_object(obj, name, process_set)
 
 
 __all__ = ["broadcast_variables", "broadcast_object", "broadcast_object_fn", "allgather_object"]

@@ -8,15 +8,11 @@ gradients are allreduced (optionally compressed, optionally in explicit groups);
 """
 from __future__ import annotations
 
-import os
-import sys
-
 import tensorflow as tf
-import torch
 
 from ..common import basics as _basics
-from ..common.engine import Entry
-from ..common.messages import ALLGATHER, ALLREDUCE
+from ..common import naming as _naming
+from ..common import ops as _cops
 from . import mpi_ops as _ops
 from .compression import Compression
 from .mpi_ops import Adasum, Average, Max, Min, Product, Sum, global_process_set
@@ -41,32 +37,10 @@ def var_ref(v):
     return id(v)
 
 
-_SKIP_DIRS = None
-
-
-def _skip_dirs() -> tuple:
-    global _SKIP_DIRS
-    if _SKIP_DIRS is None:
-        dirs = [os.path.dirname(os.path.dirname(os.path.abspath(_basics.__file__)))]
-        for mod in ("tensorflow", "keras", "tf_keras"):
-            m = sys.modules.get(mod)
-            f = getattr(m, "__file__", None) if m is not None else None
-            if f:
-                dirs.append(os.path.dirname(os.path.abspath(f)))
-        _SKIP_DIRS = tuple(dirs)
-    return _SKIP_DIRS
-
-
 def call_site() -> str:
     """The user's line that led here (outside hvdlite, TensorFlow and Keras): identical on every
     rank and on every step, so it makes a stable name for eager gradient reductions."""
-    frame = sys._getframe(1)
-    skip = _skip_dirs()
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
-        frame = frame.f_back
-    if frame is None:
-        return "unknown"
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    return _naming.framework_site()
 
 
 def check_reduce_args(op, gradient_predivide_factor, num_groups, groups):
@@ -210,29 +184,22 @@ class GradientReducer:
                 return dxs + vxs + ixs     # Horovod skips the reduction here too
             handles = []
             for g_idx, members in enumerate(groups):
-                entries = []
                 gname = f"{base}.group_{g_idx}" if explicit_groups and len(members) > 1 else None
-                for i in members:
-                    x = dxs[slot[i]]
-                    t = _ops._to_torch(x)
-                    req = _ops._request(t, f"{base}.grad_{i}", ALLREDUCE, set_id,
-                                        _ops._DTYPE_NAMES[x.dtype], reduce_op=op, prescale=pre,
-                                        postscale=post, cacheable=cacheable, group=gname,
-                                        group_size=len(members) if gname else 0)
-                    entries.append(Entry(req, t, torch.empty_like(t)))
-                handles.append(_basics.submit(entries))
-            sparse_entries = []
-            for k, i in enumerate(sparse):
-                for part, x in (("values", vxs[k]), ("indices", ixs[k])):
-                    t = _ops._to_torch(x)
-                    req = _ops._request(t, f"{base}.grad_{i}.{part}", ALLGATHER, set_id,
-                                        _ops._DTYPE_NAMES[x.dtype], cacheable=cacheable)
-                    sparse_entries.append(Entry(req, t))
-            if sparse_entries:
-                handles.append(_basics.submit(sparse_entries))
+                handles.append(_cops.allreduce(
+                    [_ops._to_torch(dxs[slot[i]]) for i in members],
+                    names=[f"{base}.grad_{i}" for i in members], op=op, prescale=pre,
+                    postscale=post, process_set=set_id, group=gname, cacheable=cacheable))
+            if sparse:
+                bufs, names = [], []
+                for k, i in enumerate(sparse):
+                    for part, x in (("values", vxs[k]), ("indices", ixs[k])):
+                        bufs.append(_ops._to_torch(x))
+                        names.append(f"{base}.grad_{i}.{part}")
+                handles.append(_cops.allgather(bufs, names=names, process_set=set_id,
+                                               cacheable=cacheable))
             results = []
             for h in handles:
-                results.extend(_basics.wait(h))
+                results.extend(h.wait())
             reduced = {}
             pos = 0
             for members in groups:

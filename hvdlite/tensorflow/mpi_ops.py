@@ -15,39 +15,24 @@ XLA cannot call Python: inside `jit_compile=True` every collective raises at tra
 """
 from __future__ import annotations
 
-import threading
-import weakref
 
-import numpy as np
 import tensorflow as tf
-import torch
 
 from ..common import basics as _basics
-from ..common.engine import Entry
+from ..common import ops as _cops
 from ..common.exceptions import HorovodInternalError
-from ..common.messages import (ADASUM, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BARRIER,
-                               BROADCAST, JOIN, MAX, MIN, PRODUCT, REDUCESCATTER, SUM, Request,
+from ..common.messages import (ADASUM, AVERAGE, MAX, MIN, PRODUCT, SUM,
                                handle_average_backwards_compatibility)
 from ..common.process_sets import ProcessSet, global_process_set
+from .bridge import (_BITCAST, _DTYPE_NAMES, _REDUCIBLE, _XLA_MESSAGE, _check_graph,  # noqa: F401
+                     _check_reduce_op, _differentiable, _dtype_name,
+                     _in_xla, _movable, _rt_allgather, _rt_allreduce, _rt_alltoall,
+                     _rt_broadcast, _rt_reducescatter, _run, _set_id, _set_rank, _set_ranks,
+                     _set_size, _to_tf, _to_torch, _unique_in_graph, _wire_name, filled,
+                     gather_shape, with_gradient)
 from .compression import Compression
 
 Average, Sum, Adasum, Min, Max, Product = AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT
-
-# TensorFlow dtypes the engine carries as they are.
-_DTYPE_NAMES = {tf.uint8: "uint8", tf.int8: "int8", tf.int16: "int16", tf.int32: "int32",
-                tf.int64: "int64", tf.float16: "float16", tf.bfloat16: "bfloat16",
-                tf.float32: "float32", tf.float64: "float64", tf.bool: "bool"}
-_REDUCIBLE = {n for n in _DTYPE_NAMES.values() if n != "bool"}
-# Dtypes that only move data (gather, broadcast, alltoall): sent bit for bit as another type.
-_BITCAST = {tf.uint16: tf.int16, tf.uint32: tf.int32, tf.uint64: tf.int64,
-            tf.complex64: tf.float32, tf.complex128: tf.float64}
-
-_XLA_MESSAGE = (
-    "hvdlite.tensorflow: {what} cannot run inside an XLA-compiled function. hvdlite's "
-    "collectives run in Python on its engine, which XLA cannot call. Compile this function "
-    "without XLA: tf.function(..., jit_compile=False), or for Keras "
-    "model.compile(..., jit_compile=False) (Keras 3 turns XLA on by default when a GPU is "
-    "present, jit_compile='auto').")
 
 
 def check_num_rank_power_of_2(num_rank: int) -> bool:
@@ -57,232 +42,6 @@ def check_num_rank_power_of_2(num_rank: int) -> bool:
 
 def _executing_eagerly() -> bool:
     return tf.executing_eagerly()
-
-
-# ---------------------------------------------------------------------- tensors <-> engine
-def _to_torch(t) -> torch.Tensor:
-    """A torch tensor over an eager tensor's buffer (DLPack: no copy)."""
-    if t.device and "CPU" not in t.device.upper():
-        with tf.device("/cpu:0"):
-            t = tf.identity(t)
-    try:
-        return torch.from_dlpack(tf.experimental.dlpack.to_dlpack(t))
-    except Exception:  # a dtype or layout DLPack refuses: copy through numpy
-        arr = np.ascontiguousarray(t.numpy())
-        if t.dtype == tf.bfloat16:
-            return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(arr)
-
-
-def _to_tf(t: torch.Tensor):
-    """An eager tensor over a torch tensor's buffer (DLPack: no copy)."""
-    t = t.contiguous()
-    try:
-        return tf.experimental.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(t))
-    except Exception:
-        if t.dtype == torch.bfloat16:
-            return tf.constant(t.view(torch.int16).numpy().view(tf.bfloat16.as_numpy_dtype))
-        return tf.constant(t.numpy())
-
-
-def _dtype_name(dtype, reduce: bool, what: str) -> str:
-    dtype = tf.as_dtype(dtype)
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None or (reduce and name not in _REDUCIBLE):
-        supported = sorted(_REDUCIBLE if reduce else
-                           set(_DTYPE_NAMES.values()) | {d.name for d in _BITCAST})
-        raise ValueError(f"{what}: tensor type {dtype.name} is not supported"
-                         + (" for reductions" if reduce and name is not None else "")
-                         + f"; supported types: {', '.join(supported)}")
-    return name
-
-
-def _movable(tensor, what: str):
-    """(tensor the engine can carry, function restoring the original dtype) for ops that only
-    move data: uint16/32/64 and complex travel bit for bit as int16/32/64 and float pairs."""
-    target = _BITCAST.get(tensor.dtype)
-    if target is None:
-        _dtype_name(tensor.dtype, False, what)
-        return tensor, (lambda t: t)
-    original = tensor.dtype
-    return tf.bitcast(tensor, target), (lambda t: tf.bitcast(t, original))
-
-
-def _set_id(process_set) -> int:
-    return _basics._resolve_set(process_set if process_set is not None else global_process_set)
-
-
-def _set_ranks(set_id: int) -> list:
-    return _basics._set_ranks(set_id)
-
-
-def _set_size(set_id: int) -> int:
-    return len(_set_ranks(set_id))
-
-
-def _set_rank(set_id: int) -> int:
-    ranks = _set_ranks(set_id)
-    me = _basics.rank()
-    return ranks.index(me) if me in ranks else -1
-
-
-def _request(t: torch.Tensor, name: str, rtype: int, set_id: int, dtype: str,
-             **kw) -> Request:
-    return Request(rank=_basics.rank(), name=name, type=rtype, dtype=dtype,
-                   shape=tuple(t.shape), device=-1, process_set_id=set_id, **kw)
-
-
-def _wait(handle) -> list:
-    return _basics.wait(handle)
-
-
-# ---------------------------------------------------------------------- graph plumbing
-_graph_names: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_graph_last_op: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_graph_lock = threading.Lock()
-
-
-def _unique_in_graph(graph, base: str) -> str:
-    with _graph_lock:
-        used = _graph_names.setdefault(graph, {})
-        n = used.get(base, 0)
-        used[base] = n + 1
-    return base if n == 0 else f"{base}_{n}"
-
-
-def _wire_name(kind: str, name, ignore_name_scope: bool, set_id: int) -> tuple[str, bool]:
-    """(name on the wire, whether the engine may cache it) for a new collective."""
-    if tf.executing_eagerly():
-        if name is None:
-            return _basics.auto_name(kind.lower(), set_id), False
-        return str(name), True
-    graph = tf.compat.v1.get_default_graph()
-    if name is None:
-        # Not the name scope: Keras puts layer names there, which come from per-process
-        # counters that need not agree across ranks.
-        base = f"Horovod{kind}"
-    else:
-        base = str(name)
-        scope = "" if ignore_name_scope else graph.get_name_scope()
-        if scope:
-            base = f"{scope}/{base}"
-    return _unique_in_graph(graph, base), True
-
-
-def _in_xla(graph) -> bool:
-    try:
-        from tensorflow.python.ops import control_flow_util
-        return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
-    except Exception:  # layout of TF internals changed: assume no XLA
-        return False
-
-
-def _check_graph(what: str) -> None:
-    """Fail at trace time, with the remedy, where a graph cannot host a Python collective."""
-    if tf.executing_eagerly():
-        return
-    if _in_xla(tf.compat.v1.get_default_graph()):
-        raise ValueError(_XLA_MESSAGE.format(what=what))
-
-
-def _run(what: str, fn, inputs: list, tout: list, shapes: list) -> list:
-    """Run `fn` (eager tensors in, list of eager tensors out) now, or add it to the graph that is
-    being built as a node that runs it every time the graph runs."""
-    if tf.executing_eagerly():
-        return list(fn(*inputs))
-    graph = tf.compat.v1.get_default_graph()
-    if _in_xla(graph):
-        raise ValueError(_XLA_MESSAGE.format(what=what))
-    # tf.function orders stateful nodes itself; a TF1 graph runs independent nodes in any
-    # order, so chain hvdlite's nodes in creation order there.
-    chain = not getattr(graph, "building_function", False) and \
-        graph._get_control_flow_context() is None
-    deps = []
-    if chain:
-        last = _graph_last_op.get(graph)
-        if last is not None:
-            deps = [last]
-    with tf.control_dependencies(deps):
-        outs = tf.py_function(fn, list(inputs), list(tout), name=what)
-    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-    for o, s in zip(outs, shapes):
-        o.set_shape(s)
-    if chain and outs:
-        _graph_last_op[graph] = outs[0].op
-    return outs
-
-
-def _differentiable(*dtypes) -> bool:
-    return any(tf.as_dtype(d).is_floating or tf.as_dtype(d).is_complex for d in dtypes)
-
-
-def _check_reduce_op(op) -> None:
-    if op == Adasum:
-        raise NotImplementedError("op=Adasum is not available yet in hvdlite; use Average or Sum.")
-    if op not in (Average, Sum, Min, Max, Product):
-        raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Min, Max or Product")
-
-
-# ---------------------------------------------------------------------- runtime (eager) pieces
-def _rt_allreduce(xs, names, op, pre, post, set_id, cacheable, group=None) -> list:
-    n = len(xs)
-    entries = []
-    for x, name in zip(xs, names):
-        t = _to_torch(x)
-        req = _request(t, name, ALLREDUCE, set_id, _DTYPE_NAMES[x.dtype], reduce_op=op,
-                       prescale=pre, postscale=post, cacheable=cacheable,
-                       group=group if group is not None and n > 1 else None,
-                       group_size=n if group is not None and n > 1 else 0)
-        entries.append(Entry(req, t, torch.empty_like(t)))
-    return [_to_tf(r) for r in _wait(_basics.submit(entries))]
-
-
-def _rt_allgather(xs, names, set_id, cacheable, group=None) -> list:
-    n = len(xs)
-    entries = []
-    for x, name in zip(xs, names):
-        t = _to_torch(x)
-        req = _request(t, name, ALLGATHER, set_id, _DTYPE_NAMES[x.dtype], cacheable=cacheable,
-                       group=group if group is not None and n > 1 else None,
-                       group_size=n if group is not None and n > 1 else 0)
-        entries.append(Entry(req, t))
-    return [_to_tf(r) for r in _wait(_basics.submit(entries))]
-
-
-def _rt_broadcast(xs, names, root_rank, set_id, cacheable) -> list:
-    entries = []
-    for x, name in zip(xs, names):
-        t = _to_torch(x)
-        req = _request(t, name, BROADCAST, set_id, _DTYPE_NAMES[x.dtype],
-                       root_rank=int(root_rank), cacheable=cacheable)
-        entries.append(Entry(req, t, torch.empty_like(t)))
-    return [_to_tf(r) for r in _wait(_basics.submit(entries))]
-
-
-def _rt_reducescatter(xs, names, op, pre, post, set_id, cacheable, group=None) -> list:
-    n = len(xs)
-    entries = []
-    for x, name in zip(xs, names):
-        t = _to_torch(x)
-        req = _request(t, name, REDUCESCATTER, set_id, _DTYPE_NAMES[x.dtype], reduce_op=op,
-                       prescale=pre, postscale=post, cacheable=cacheable,
-                       group=group if group is not None and n > 1 else None,
-                       group_size=n if group is not None and n > 1 else 0)
-        entries.append(Entry(req, t))
-    return [_to_tf(r) for r in _wait(_basics.submit(entries))]
-
-
-def _rt_alltoall(x, splits, name, set_id):
-    t = _to_torch(x)
-    split_list = None
-    if splits is not None:
-        split_list = tuple(int(s) for s in np.asarray(splits.numpy()).reshape(-1).tolist())
-    req = _request(t, name, ALLTOALL, set_id, _DTYPE_NAMES[x.dtype], splits=split_list,
-                   cacheable=False)
-    entry = Entry(req, t)
-    (out,) = _wait(_basics.submit([entry]))
-    recv = entry.extra
-    return _to_tf(out), tf.constant(np.asarray(recv.numpy(), dtype=np.int32))
 
 
 # ---------------------------------------------------------------------- allreduce
@@ -300,26 +59,8 @@ def _allreduce(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_factor=
 
 
 def _allreduce_named(tensor, wire, cacheable, op, pre, post, set_id):
-    def fn(x):
-        return _rt_allreduce([x], [wire], op, pre, post, set_id, cacheable)
-
-    def forward(x):
-        return _run("HorovodAllreduce", fn, [x], [x.dtype], [x.shape])[0]
-
-    if not _differentiable(tensor.dtype):
-        return forward(tensor)
-
-    @tf.custom_gradient
-    def op_with_grad(x):
-        def grad(dy):
-            if dy is None:
-                return None
-            # Horovod's definition: the gradient is reduced the same way.
-            return _allreduce_named(tf.convert_to_tensor(dy), wire + ".grad", cacheable, op,
-                                    pre, post, set_id)
-        return forward(x), grad
-
-    return op_with_grad(tensor)
+    return _grouped_allreduce_named([tensor], wire, cacheable, op, pre, post, set_id,
+                                    grouped=False)[0]
 
 
 def _grouped_allreduce(tensors, name=None, op=Sum, prescale_factor=1.0, postscale_factor=1.0,
@@ -335,29 +76,21 @@ def _grouped_allreduce(tensors, name=None, op=Sum, prescale_factor=1.0, postscal
                                     float(postscale_factor), set_id)
 
 
-def _grouped_allreduce_named(tensors, wire, cacheable, op, pre, post, set_id):
-    names = [f"{wire}.{i}" for i in range(len(tensors))]
-
-    def fn(*xs):
-        return _rt_allreduce(list(xs), names, op, pre, post, set_id, cacheable, group=wire)
+def _grouped_allreduce_named(tensors, wire, cacheable, op, pre, post, set_id, grouped=True):
+    names = [f"{wire}.{i}" for i in range(len(tensors))] if grouped else [wire]
+    what = "HorovodGroupedAllreduce" if grouped else "HorovodAllreduce"
 
     def forward(*xs):
-        return _run("HorovodGroupedAllreduce", fn, list(xs), [x.dtype for x in xs],
-                    [x.shape for x in xs])
+        return _run(what, lambda *ys: _rt_allreduce(list(ys), names, op, pre, post, set_id,
+                                                    cacheable, group=wire if grouped else None),
+                    list(xs), [x.dtype for x in xs], [x.shape for x in xs])
 
-    if not _differentiable(*[t.dtype for t in tensors]):
-        return forward(*tensors)
+    def grad(xs, outs, dys):
+        # Horovod's definition: the gradient is reduced the same way.
+        return _grouped_allreduce_named(filled(dys, xs), wire + ".grad", cacheable, op, pre,
+                                        post, set_id, grouped)
 
-    @tf.custom_gradient
-    def op_with_grad(*xs):
-        def grad(*dys):
-            dys = [tf.zeros_like(x) if dy is None else tf.convert_to_tensor(dy)
-                   for x, dy in zip(xs, dys)]
-            return _grouped_allreduce_named(dys, wire + ".grad", cacheable, op, pre, post,
-                                            set_id)
-        return forward(*xs), grad
-
-    return list(op_with_grad(*tensors))
+    return with_gradient(forward, grad, list(tensors))
 
 
 def _sparse_allreduce(slices, op, name, process_set, ignore_name_scope, prescale_factor=1.0,
@@ -412,27 +145,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 
 
 def _allgather_named(tensor, wire, cacheable, set_id):
-    def fn(x):
-        return _rt_allgather([x], [wire], set_id, cacheable)
-
-    def forward(x):
-        shape = tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank is not None \
-            else tf.TensorShape(None)
-        return _run("HorovodAllgather", fn, [x], [x.dtype], [shape])[0]
-
-    if not _differentiable(tensor.dtype):
-        return forward(tensor)
-
-    @tf.custom_gradient
-    def op_with_grad(x):
-        def grad(dy):
-            if dy is None:
-                return None
-            return _gather_grad([tf.convert_to_tensor(dy)], [x], [wire + ".grad"], cacheable,
-                                set_id)[0]
-        return forward(x), grad
-
-    return op_with_grad(tensor)
+    return _grouped_allgather_named([tensor], wire, cacheable, set_id, grouped=False)[0]
 
 
 def _gather_grad(dys, xs, wires, cacheable, set_id) -> list:
@@ -476,29 +189,20 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
     return [restore(o) for o, (_, restore) in zip(outs, moved)]
 
 
-def _grouped_allgather_named(tensors, wire, cacheable, set_id):
-    names = [f"{wire}.{i}" for i in range(len(tensors))]
-
-    def fn(*xs):
-        return _rt_allgather(list(xs), names, set_id, cacheable, group=wire)
+def _grouped_allgather_named(tensors, wire, cacheable, set_id, grouped=True):
+    names = [f"{wire}.{i}" for i in range(len(tensors))] if grouped else [wire]
+    what = "HorovodGroupedAllgather" if grouped else "HorovodAllgather"
 
     def forward(*xs):
-        shapes = [tf.TensorShape([None]).concatenate(x.shape[1:]) for x in xs]
-        return _run("HorovodGroupedAllgather", fn, list(xs), [x.dtype for x in xs], shapes)
+        return _run(what, lambda *ys: _rt_allgather(list(ys), names, set_id, cacheable,
+                                                    group=wire if grouped else None),
+                    list(xs), [x.dtype for x in xs], [gather_shape(x) for x in xs])
 
-    if not _differentiable(*[t.dtype for t in tensors]):
-        return forward(*tensors)
+    def grad(xs, outs, dys):
+        return _gather_grad(filled(dys, outs), xs, [f"{n}.grad" for n in names], cacheable,
+                            set_id)
 
-    @tf.custom_gradient
-    def op_with_grad(*xs):
-        def grad(*dys):
-            dys = [tf.zeros_like(f) if dy is None else tf.convert_to_tensor(dy)
-                   for f, dy in zip(outs, dys)]
-            return _gather_grad(dys, xs, [f"{n}.grad" for n in names], cacheable, set_id)
-        outs = forward(*xs)
-        return outs, grad
-
-    return list(op_with_grad(*tensors))
+    return with_gradient(forward, grad, list(tensors))
 
 
 # ---------------------------------------------------------------------- broadcast
@@ -515,31 +219,20 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
 
 
 def _broadcast_named(tensor, root_rank, wire, cacheable, set_id):
-    def fn(x):
-        return _rt_broadcast([x], [wire], root_rank, set_id, cacheable)
-
     def forward(x):
-        return _run("HorovodBroadcast", fn, [x], [x.dtype], [x.shape])[0]
+        return _run("HorovodBroadcast", lambda y: _rt_broadcast([y], [wire], root_rank, set_id,
+                                                                cacheable),
+                    [x], [x.dtype], [x.shape])
 
-    if not _differentiable(tensor.dtype):
-        return forward(tensor)
+    def grad(xs, outs, dys):
+        def gfn(g):
+            (red,) = _rt_allreduce([g], [wire + ".grad"], Average, 1.0, 1.0, set_id, cacheable)
+            return [red if _basics.rank() == root_rank else tf.zeros_like(red)]
 
-    @tf.custom_gradient
-    def op_with_grad(x):
-        def grad(dy):
-            if dy is None:
-                return None
+        (dy,) = filled(dys, outs)
+        return _run("HorovodBroadcastGrad", gfn, [dy], [dy.dtype], [dy.shape])
 
-            def gfn(g):
-                (red,) = _rt_allreduce([g], [wire + ".grad"], Average, 1.0, 1.0, set_id,
-                                       cacheable)
-                return [red if _basics.rank() == root_rank else tf.zeros_like(red)]
-
-            dy = tf.convert_to_tensor(dy)
-            return _run("HorovodBroadcastGrad", gfn, [dy], [dy.dtype], [dy.shape])[0]
-        return forward(x), grad
-
-    return op_with_grad(tensor)
+    return with_gradient(forward, grad, [tensor])[0]
 
 
 def _tf_variable(var):
@@ -621,35 +314,20 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
 
 
 def _alltoall_named(tensor, splits, wire, set_id):
-    def fn(x, *s):
-        return list(_rt_alltoall(x, s[0] if s else None, wire, set_id))
-
     def forward(x):
         inputs = [x] + ([splits] if splits is not None else [])
-        shape = tf.TensorShape([None]).concatenate(x.shape[1:])
-        return _run("HorovodAlltoall", fn, inputs, [x.dtype, tf.int32],
-                    [shape, tf.TensorShape([None])])
+        out, recv = _run("HorovodAlltoall",
+                         lambda y, *s: list(_rt_alltoall(y, s[0] if s else None, wire, set_id)),
+                         inputs, [x.dtype, tf.int32], [gather_shape(x), tf.TensorShape([None])])
+        return [out, tf.stop_gradient(recv)]
 
-    if not _differentiable(tensor.dtype):
-        out, recv = forward(tensor)
-        return out, recv
+    def grad(xs, outs, dys):
+        # Send every row back where it came from.
+        g, _ = _alltoall_named(filled(dys[:1], outs)[0], outs[1], wire + ".grad", set_id)
+        g.set_shape(xs[0].shape)
+        return [g]
 
-    @tf.custom_gradient
-    def op_with_grad(x):
-        out, recv = forward(x)
-
-        def grad(dy, drecv=None):
-            if dy is None:
-                return None
-            dy = tf.convert_to_tensor(dy)
-            # Send every row back where it came from.
-            g, _ = _alltoall_named(dy, recv, wire + ".grad", set_id)
-            g.set_shape(x.shape)
-            return g
-
-        return (out, tf.stop_gradient(recv)), grad
-
-    out, recv = op_with_grad(tensor)
+    out, recv = with_gradient(forward, grad, [tensor])
     return out, recv
 
 
@@ -694,39 +372,26 @@ def _grouped_reducescatter(tensors, name=None, op=Sum, ignore_name_scope=False,
 def _grouped_reducescatter_named(tensors, wire, cacheable, op, pre, post, set_id, grouped):
     names = [f"{wire}.{i}" for i in range(len(tensors))] if grouped else [wire]
 
-    def fn(*xs):
-        return _rt_reducescatter(list(xs), names, op, pre, post, set_id, cacheable,
-                                 group=wire if grouped else None)
-
     def forward(*xs):
-        shapes = [tf.TensorShape([None]).concatenate(x.shape[1:]) for x in xs]
-        return _run("HorovodReducescatter", fn, list(xs), [x.dtype for x in xs], shapes)
+        return _run("HorovodReducescatter",
+                    lambda *ys: _rt_reducescatter(list(ys), names, op, pre, post, set_id,
+                                                  cacheable, group=wire if grouped else None),
+                    list(xs), [x.dtype for x in xs], [gather_shape(x) for x in xs])
 
-    if not _differentiable(*[t.dtype for t in tensors]):
-        return forward(*tensors)
+    def grad(xs, outs, dys):
+        def gfn(*gs):
+            gathered = _rt_allgather(list(gs), [f"{n}.grad" for n in names], set_id, cacheable,
+                                     group=(wire + ".grad") if grouped else None)
+            if op == Sum:  # Horovod's definition: Sum's gradient is scaled by the set size
+                size = _set_size(set_id)
+                gathered = [g * tf.cast(size, g.dtype) for g in gathered]
+            return gathered
 
-    @tf.custom_gradient
-    def op_with_grad(*xs):
-        outs = forward(*xs)
+        dys = filled(dys, outs)
+        return _run("HorovodReducescatterGrad", gfn, dys, [d.dtype for d in dys],
+                    [x.shape for x in xs])
 
-        def grad(*dys):
-            dys = [tf.zeros_like(o) if dy is None else tf.convert_to_tensor(dy)
-                   for o, dy in zip(outs, dys)]
-
-            def gfn(*gs):
-                gathered = _rt_allgather(list(gs), [f"{n}.grad" for n in names], set_id,
-                                         cacheable, group=(wire + ".grad") if grouped else None)
-                if op == Sum:  # Horovod's definition: Sum's gradient is scaled by the set size
-                    size = _set_size(set_id)
-                    gathered = [g * tf.cast(size, g.dtype) for g in gathered]
-                return gathered
-
-            return _run("HorovodReducescatterGrad", gfn, dys, [d.dtype for d in dys],
-                        [x.shape for x in xs])
-
-        return outs, grad
-
-    return list(op_with_grad(*tensors))
+    return with_gradient(forward, grad, list(tensors))
 
 
 # ---------------------------------------------------------------------- control
@@ -736,15 +401,9 @@ def join():
     _check_graph("hvd.join")
 
     def fn():
-        req = Request(rank=_basics.rank(), name="join.noname", type=JOIN, cacheable=False)
-        (last,) = _wait(_basics.submit([Entry(req)]))
-        return [tf.constant(int(last), dtype=tf.int32)]
+        return [tf.constant(_cops.join().wait(), dtype=tf.int32)]
 
     return _run("HorovodJoin", fn, [], [tf.int32], [tf.TensorShape([])])[0]
-
-
-_barrier_counts: dict[int, int] = {}
-_barrier_lock = threading.Lock()
 
 
 def barrier(process_set=global_process_set):
@@ -754,12 +413,7 @@ def barrier(process_set=global_process_set):
     _check_graph("hvd.barrier")
 
     def fn():
-        with _barrier_lock:
-            n = _barrier_counts.get(sid, 0)
-            _barrier_counts[sid] = n + 1
-        req = Request(rank=_basics.rank(), name=f"barrier.{n}", type=BARRIER,
-                      process_set_id=sid, cacheable=False)
-        _wait(_basics.submit([Entry(req)]))
+        _cops.barrier(sid).wait()
         return [tf.constant(0, dtype=tf.int32)]
 
     out = _run("HorovodBarrier", fn, [], [tf.int32], [tf.TensorShape([])])[0]
@@ -816,8 +470,7 @@ def process_set_included_op(process_set_id=0, name=None):
 
 def _reset() -> None:
     """Forget per-job counters (shutdown/init)."""
-    with _barrier_lock:
-        _barrier_counts.clear()
+    _cops.reset()
 
 
 __all__ = [

@@ -1,54 +1,32 @@
-"""Gradient compression for allreduce (Horovod's `hvd.Compression`)."""
+"""Gradient compression for allreduce (Horovod's `hvd.Compression`): the shared compressors of
+`common.compression`, with torch's casts."""
 from __future__ import annotations
 
 import torch
 
-
-class Compressor:
-    """Interface for compressing and decompressing a given tensor."""
-
-    @staticmethod
-    def compress(tensor):
-        """Compresses a tensor and returns it with the context needed to decompress it."""
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        """Decompress the tensor with the given context."""
+from ..common import compression as _c
+from ..common.compression import Compressor, NoneCompressor
 
 
-class NoneCompressor(Compressor):
-    """Default: no compression."""
-
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
-
-
-class FP16Compressor(Compressor):
+class FP16Compressor(_c.CastCompressor):
     """Send floating-point tensors as float16, halving the bytes on the wire."""
 
-    @staticmethod
-    def compress(tensor):
-        tensor_compressed = tensor
-        if tensor.dtype.is_floating_point:
-            tensor_compressed = tensor.type(torch.float16)
-        return tensor_compressed, tensor.dtype
+    HALF = torch.float16
 
     @staticmethod
-    def decompress(tensor, ctx):
-        dtype = ctx
-        tensor_decompressed = tensor
-        if dtype.is_floating_point:
-            tensor_decompressed = tensor.type(dtype)
-        return tensor_decompressed
+    def is_floating(dtype) -> bool:
+        return dtype.is_floating_point
+
+    @staticmethod
+    def cast(tensor, dtype):
+        return tensor.type(dtype)
 
 
-class Compression:
+class Compression(_c.Compression):
     """Optional gradient compression algorithm used during allreduce."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
+
+
+__all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor"]

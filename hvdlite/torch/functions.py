@@ -3,13 +3,11 @@ allgather objects (horovod/torch/functions.py)."""
 from __future__ import annotations
 
 import collections
-import io
 from collections.abc import Iterable
 
-import cloudpickle
 import torch
 
-from ..common import basics as _basics
+from ..common import ops as _ops
 from .mpi_ops import (allgather, broadcast_, broadcast_async_, global_process_set,
                       synchronize)
 
@@ -138,49 +136,14 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     anything (e.g. None). `name` defaults to "broadcast_object" (Horovod used the object's type
     name, so a non-root rank passing an object of another type hung).
     """
-    if name is None:
-        name = "broadcast_object"
-
-    if _basics.rank() == root_rank:
-        b = io.BytesIO()
-        cloudpickle.dump(obj, b)
-        t = torch.ByteTensor(bytearray(b.getvalue()))
-        sz = torch.IntTensor([t.shape[0]])
-        broadcast_(sz, root_rank, name + ".sz", process_set)
-    else:
-        sz = torch.IntTensor([0])
-        broadcast_(sz, root_rank, name + ".sz", process_set)
-        t = torch.ByteTensor(sz.tolist()[0])
-
-    broadcast_(t, root_rank, name + ".t", process_set)
-
-    if _basics.rank() != root_rank:
-        buf = io.BytesIO(t.numpy().tobytes())
-        obj = cloudpickle.load(buf)
-    return obj
+    return _ops.broadcast_object(obj, root_rank, name, process_set)
 
 
 def allgather_object(obj, name=None, process_set=global_process_set):
     """Pickle `obj` on every rank of `process_set` and return the list of all of them, ordered by
     rank within the set. `name` defaults to "allgather_object" (Horovod used the object's type
     name, which hangs when ranks hold objects of different types)."""
-    if name is None:
-        name = "allgather_object"
-
-    b = io.BytesIO()
-    cloudpickle.dump(obj, b)
-    t = torch.ByteTensor(bytearray(b.getvalue()))
-    sz = torch.IntTensor([t.shape[0]])
-
-    sizes = allgather(sz, name=name + ".sz", process_set=process_set).numpy()
-    gathered = allgather(t, name=name + ".t", process_set=process_set).numpy()
-
-    def load(i):
-        start = int(sizes[:i].sum())
-        end = start + int(sizes[i])
-        return cloudpickle.load(io.BytesIO(gathered[start:end].tobytes()))
-
-    return [load(i) for i in range(len(sizes))]
+    return _ops.allgather_object(obj, name, process_set)
 
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",

@@ -8,46 +8,23 @@ import threading
 
 import torch
 
-from ..common import adasum as _adasum
 from ..common import basics as _basics
-from ..common.collectives import DTYPE_NAMES
-from ..common.engine import Entry, Handle
+from ..common import ops as _ops
 from ..common.exceptions import HorovodInternalError
-from ..common.messages import (ADASUM, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BARRIER,
-                               BROADCAST, JOIN, MAX, MIN, PRODUCT, REDUCESCATTER, SUM, Request,
+from ..common.messages import (ADASUM, AVERAGE, MAX, MIN, PRODUCT, SUM,
                                handle_average_backwards_compatibility)
 from ..common.process_sets import ProcessSet, global_process_set
 from .compression import Compression
 
 Average, Sum, Adasum, Min, Max, Product = AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT
 
-_handle_map: dict[int, tuple] = {}     # int handle -> (Handle, postprocess)
+# Horovod's API hands out integer handles; each maps to the op layer's public Handle.
+_handle_map: dict[int, tuple] = {}     # int handle -> (ops.Handle, postprocess)
 _handle_lock = threading.Lock()
 _next_handle = 0
-_barrier_counts: dict[int, int] = {}
-_REDUCIBLE = {"uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
-              "float64"}
 
 
-
-
-def _dtype_name(tensor: torch.Tensor, reduce: bool) -> str:
-    name = DTYPE_NAMES.get(tensor.dtype)
-    if name is None or (reduce and name not in _REDUCIBLE):
-        raise ValueError(f"Tensor type {tensor.type()} is not supported"
-                         + (" for reductions." if name is not None else "."))
-    return name
-
-
-def _device(tensor: torch.Tensor) -> int:
-    return tensor.device.index if tensor.device.type == "cuda" else -1
-
-
-def _set_id(process_set) -> int:
-    return _basics._resolve_set(process_set or global_process_set)
-
-
-def _register(handle: Handle, post) -> int:
+def _register(handle: _ops.Handle, post) -> int:
     global _next_handle
     with _handle_lock:
         _next_handle += 1
@@ -56,57 +33,26 @@ def _register(handle: Handle, post) -> int:
     return h
 
 
-def _request(tensor, name, rtype, process_set, *, reduce=False, **kw) -> Request:
-    return Request(rank=_basics.rank(), name=name, type=rtype,
-                   dtype=_dtype_name(tensor, reduce), shape=tuple(tensor.shape),
-                   device=_device(tensor), process_set_id=_set_id(process_set), **kw)
+def get_handle(handle: int) -> _ops.Handle:
+    """The op layer's handle behind an integer handle (for `wait(timeout=...)`, `done()`,
+    `add_done_callback`); `synchronize(handle)` still returns the result and frees the name."""
+    entry = _handle_map.get(handle)
+    if entry is None:
+        raise ValueError(f"unknown handle {handle}")
+    return entry[0]
 
 
-def _check_adasum(process_set, tensors=()) -> None:
-    """Horovod's conditions for op=Adasum, with Horovod's messages: the global process set and a
-    power-of-two number of ranks (the reduction tree pairs ranks); and CPU floating-point
-    tensors (hvdlite implements Horovod's CPU Adasum, not its NCCL-hierarchical GPU variant)."""
-    if _set_id(process_set) != 0:
-        raise NotImplementedError(_adasum.NON_GLOBAL_SET)
-    if not _adasum.is_power_of_two(_basics.size()):
-        raise NotImplementedError(_adasum.NON_POWER_OF_TWO)
-    for t in tensors:
-        if t.device.type != "cpu":
-            raise NotImplementedError(_adasum.GPU_TENSOR)
-        if not t.is_floating_point():
-            raise ValueError(f"op=Adasum needs floating-point tensors (float16, bfloat16, float32 "
-                             f"or float64); got {t.dtype}.")
-
-
-def _check_reduce_op(op, process_set, tensors=()):
-    if op == Adasum:
-        _check_adasum(process_set, tensors)
-        return
-    if op not in (Average, Sum, Min, Max, Product):
-        raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Min, Max or Product")
+def _single(res):
+    return res[0]
 
 
 # ---------------------------------------------------------------------- allreduce
 def _allreduce_async(tensors, outputs, name, op, prescale_factor, postscale_factor,
                      process_set, grouped: bool):
-    _check_reduce_op(op, process_set, tensors)
-    auto = name is None
-    base = _basics.auto_name("allreduce", _set_id(process_set)) if auto else name
-    entries = []
-    n = len(tensors)
-    for i, (t, out) in enumerate(zip(tensors, outputs)):
-        tname = base if not grouped else f"{base}.{i}"
-        req = _request(t, tname, ALLREDUCE, process_set, reduce=True, reduce_op=op,
-                       prescale=float(prescale_factor), postscale=float(postscale_factor),
-                       cacheable=not auto,
-                       group=base if grouped and n > 1 else None,
-                       group_size=n if grouped and n > 1 else 0)
-        entries.append(Entry(req, t.detach() if t.is_contiguous() else t.detach().contiguous(),
-                             out))
-    handle = _basics.submit(entries)
-    if grouped:
-        return _register(handle, lambda res: list(res))
-    return _register(handle, lambda res: res[0])
+    handle = _ops.allreduce(tensors, names=name, op=op, prescale=prescale_factor,
+                            postscale=postscale_factor, process_set=process_set,
+                            group=grouped or None, outputs=outputs)
+    return _register(handle, list if grouped else _single)
 
 
 def _check_inplace(tensor):
@@ -244,19 +190,8 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
 
 # ---------------------------------------------------------------------- allgather
 def _allgather_async(tensors, name, process_set, grouped: bool) -> int:
-    base = name if name is not None else \
-        _basics.auto_name("allgather", _set_id(process_set))
-    n = len(tensors)
-    entries = []
-    for i, t in enumerate(tensors):
-        _check_gatherable(t)
-        req = _request(t, base if not grouped else f"{base}.{i}", ALLGATHER, process_set,
-                       cacheable=name is not None,
-                       group=base if grouped and n > 1 else None,
-                       group_size=n if grouped and n > 1 else 0)
-        entries.append(Entry(req, t.detach().contiguous()))
-    handle = _basics.submit(entries)
-    return _register(handle, (lambda res: list(res)) if grouped else (lambda res: res[0]))
+    handle = _ops.allgather(tensors, names=name, process_set=process_set, group=grouped or None)
+    return _register(handle, list if grouped else _single)
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
@@ -282,9 +217,7 @@ class HorovodAllgather(torch.autograd.Function):
 
 
 def _check_gatherable(tensor):
-    if tensor.dim() == 0:
-        raise ValueError("allgather needs a tensor with at least one dimension; reshape the "
-                         "scalar to [1]")
+    _ops.check_rank(tensor, "allgather")
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
@@ -325,12 +258,9 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 
 # ---------------------------------------------------------------------- broadcast
 def _broadcast_async(tensor, output, root_rank, name, process_set) -> int:
-    auto = name is None
-    name = _basics.auto_name("broadcast", _set_id(process_set)) if auto else name
-    req = _request(tensor, name, BROADCAST, process_set, root_rank=int(root_rank),
-                   cacheable=not auto)
-    handle = _basics.submit([Entry(req, tensor.detach().contiguous(), output)])
-    return _register(handle, lambda res: res[0])
+    handle = _ops.broadcast([tensor], root_rank, names=name, process_set=process_set,
+                            outputs=[output])
+    return _register(handle, _single)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
@@ -373,24 +303,19 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 # ---------------------------------------------------------------------- alltoall
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
     """Asynchronous alltoall: rows splits[i] of `tensor` go to rank i of the set."""
-    if tensor.dim() == 0:
-        raise ValueError("alltoall needs a tensor with at least one dimension")
     split_list = None
     if splits is not None:
         if isinstance(splits, torch.Tensor):
-            split_list = tuple(int(s) for s in splits.reshape(-1).tolist())
+            split_list = [int(s) for s in splits.reshape(-1).tolist()]
         else:
-            split_list = tuple(int(s) for s in splits)
-    name = name or _basics.auto_name("alltoall", _set_id(process_set))
-    req = _request(tensor, name, ALLTOALL, process_set, splits=split_list, cacheable=False)
-    entry = Entry(req, tensor.detach().contiguous())
-    handle = _basics.submit([entry])
+            split_list = [int(s) for s in splits]
+    handle = _ops.alltoall(tensor, split_list, names=name, process_set=process_set)
 
     def post(res):
-        recv = entry.extra
+        out, recv = res
         if isinstance(splits, torch.Tensor):
             recv = recv.to(dtype=splits.dtype)
-        return res[0], recv
+        return out, recv
 
     return _register(handle, post)
 
@@ -422,23 +347,10 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 # ---------------------------------------------------------------------- reducescatter
 def _reducescatter_async(tensors, name, op, process_set, prescale_factor, postscale_factor,
                          grouped: bool) -> int:
-    if op not in (Average, Sum, Min, Max, Product):
-        raise ValueError("reducescatter supports op Average, Sum, Min, Max or Product")
-    auto = name is None
-    base = _basics.auto_name("reducescatter", _set_id(process_set)) if auto else name
-    n = len(tensors)
-    entries = []
-    for i, t in enumerate(tensors):
-        if t.dim() == 0:
-            raise ValueError("reducescatter needs a tensor with at least one dimension")
-        req = _request(t, base if not grouped else f"{base}.{i}", REDUCESCATTER, process_set,
-                       reduce=True, reduce_op=op, prescale=float(prescale_factor),
-                       postscale=float(postscale_factor), cacheable=not auto,
-                       group=base if grouped and n > 1 else None,
-                       group_size=n if grouped and n > 1 else 0)
-        entries.append(Entry(req, t.detach().contiguous()))
-    handle = _basics.submit(entries)
-    return _register(handle, (lambda res: list(res)) if grouped else (lambda res: res[0]))
+    handle = _ops.reducescatter(tensors, names=name, op=op, prescale=prescale_factor,
+                                postscale=postscale_factor, process_set=process_set,
+                                group=grouped or None)
+    return _register(handle, list if grouped else _single)
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
@@ -508,10 +420,7 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
 # ---------------------------------------------------------------------- control
 def poll(handle: int) -> bool:
     """True when the operation behind `handle` has finished (synchronize will not block)."""
-    entry = _handle_map.get(handle)
-    if entry is None:
-        raise ValueError(f"unknown handle {handle}")
-    return entry[0].done()
+    return get_handle(handle).done()
 
 
 def synchronize(handle: int):
@@ -521,34 +430,25 @@ def synchronize(handle: int):
     if entry is None:
         return None
     h, post = entry
-    results = _basics.wait(h)
-    return post(results)
+    return post(h.wait())
 
 
 def join(device=-1) -> int:
     """Declare that this rank has no more data; until every rank has joined, this rank
     contributes zeros to other ranks' allreduces. Returns the rank that joined last."""
-    req = Request(rank=_basics.rank(), name="join.noname", type=JOIN, cacheable=False)
-    handle = _basics.submit([Entry(req)])
-    (last,) = _basics.wait(handle)
-    return int(last)
+    return _ops.join().wait()
 
 
 def barrier(process_set=global_process_set) -> None:
     """Block until every rank of the process set has reached the barrier."""
-    sid = _set_id(process_set)
-    n = _barrier_counts.get(sid, 0)
-    _barrier_counts[sid] = n + 1
-    req = Request(rank=_basics.rank(), name=f"barrier.{n}", type=BARRIER, process_set_id=sid,
-                  cacheable=False)
-    _basics.wait(_basics.submit([Entry(req)]))
+    _ops.barrier(process_set).wait()
 
 
 def _reset() -> None:
     """Forget handles and counters (shutdown/init)."""
     with _handle_lock:
         _handle_map.clear()
-    _barrier_counts.clear()
+    _ops.reset()
 
 
 __all__ = [

@@ -15,7 +15,7 @@ import torch
 from ..common import adasum as _adasum
 from ..common import basics as _basics
 from ..common.config import env
-from .compression import Compression
+from .compression import Compression, NoneCompressor
 from .mpi_ops import (Adasum, Average, allreduce_async_, global_process_set,
                       grouped_allreduce_async_, sparse_allreduce_async, synchronize)
 
@@ -61,37 +61,131 @@ def _named_parameters(param_groups, named_parameters):
     return sorted(named_parameters, key=lambda kv: kv[0]), wire_prefix
 
 
-class _DistributedOptimizer(torch.optim.Optimizer):
-    """Methods copied into the dynamic subclass; `_hvd_base` is the user's optimizer class."""
+class _HookedOptimizer(torch.optim.Optimizer):
+    """The half both wrappers share: wire names for the parameters, one hook per parameter that
+    counts backward passes and starts its reduction, and the bookkeeping around the wrapped
+    optimizer (`_hvd_base`). Subclasses say what a ready gradient starts
+    (`_gradient_ready`) and how `step()` finishes. Methods are copied into the dynamic subclass
+    of the user's optimizer class (see `_wrapper_class`)."""
 
     _hvd_base = torch.optim.Optimizer
     _hvd_distributed = True
 
-    def __init__(self, params, named_parameters, compression, backward_passes_per_step=1,
-                 op=Average, gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
-                 process_set=global_process_set, defaults=None):
+    def _setup(self, params, named_parameters, compression, backward_passes_per_step,
+               defaults) -> list:
         self._hvd_base.__init__(self, params)
         if defaults is not None:
             # Keep the user's defaults (Horovod would fall back to the class defaults), so that
             # add_param_group() later behaves as on the wrapped optimizer.
             self.defaults = dict(defaults)
         self._compression = compression
-
         named_sorted, wire_prefix = _named_parameters(self.param_groups, named_parameters)
         self._parameter_names = {v: k for k, v in named_sorted}
         self._wire_names = {v: wire_prefix + k for k, v in named_sorted}
         self.backward_passes_per_step = backward_passes_per_step
         self._allreduce_delay = {v: self.backward_passes_per_step for _, v in named_sorted}
-        self.op = op
-        self.gradient_predivide_factor = gradient_predivide_factor
-        self.sparse_as_dense = sparse_as_dense
-        self.process_set = process_set
-
         self._handles = {}
         self._grad_accs = []
         self._requires_update = set()
         self._synchronized = False
         self._should_synchronize = True
+        return named_sorted
+
+    def _compress(self, tensor):
+        if self._compression is NoneCompressor:   # the default: no call on the hot path
+            return tensor, None
+        return self._compression.compress(tensor)
+
+    def _decompress(self, tensor, ctx):
+        if self._compression is NoneCompressor:
+            return tensor
+        return self._compression.decompress(tensor, ctx)
+
+    def set_backward_passes_per_step(self, passes):
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+
+    def _hook_parameters(self):
+        for param_group in self.param_groups:
+            for p in param_group["params"]:
+                if p.requires_grad:
+                    self._requires_update.add(p)
+                    self._grad_accs.append(
+                        p.register_post_accumulate_grad_hook(self._make_hook(p)))
+        # The hooks hold the optimizer weakly; once it is gone (say, re-created with a new
+        # learning rate) its hooks are removed instead of submitting allreduces nobody waits on.
+        weakref.finalize(self, _remove_hooks, list(self._grad_accs))
+
+    def _gradient_ready(self, p):
+        """Start reducing p's gradient: (handle, ctx), or None when it was taken elsewhere."""
+        return self._allreduce_grad_async(p)
+
+    def _make_hook(self, p):
+        ref = weakref.ref(self)
+
+        def hook(*ignore):
+            opt = ref()
+            if opt is None:
+                return
+            if p in opt._handles and opt._handles[p][0] is not None:
+                if opt._allreduce_delay[p] <= 0:
+                    raise AssertionError(
+                        "Gradients were computed more than backward_passes_per_step times "
+                        "before call to step(). Increase backward_passes_per_step to "
+                        "accumulate gradients locally.")
+            assert not p.grad.requires_grad
+            assert opt._allreduce_delay[p] > 0
+            handle, ctx = None, None
+            opt._allreduce_delay[p] -= 1
+            if opt._allreduce_delay[p] == 0:
+                started = opt._gradient_ready(p)
+                if started is None:
+                    return
+                handle, ctx = started
+            opt._handles[p] = (handle, ctx)
+        return hook
+
+    def _base_step(self, closure=None):
+        base_step = self._hvd_base.step
+        if getattr(base_step, "hooked", False):
+            # This class's own step is already wrapped by torch's step-hook/profiler wrapper;
+            # call the base implementation underneath it so step hooks run once.
+            base_step = base_step.__wrapped__
+        return base_step(self, closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
+                                 "but before optimizer.step() or optimizer.synchronize(). "
+                                 "This is prohibited as it can cause a race condition.")
+        return self._hvd_base.zero_grad(self, set_to_none)
+
+
+def _wrapper_class(base: type, impl: type) -> type:
+    """A subclass of the user's optimizer class `base` (same name) with `impl`'s methods."""
+    attrs = {}
+    for klass in reversed(impl.__mro__):
+        if klass in (torch.optim.Optimizer, object) or not issubclass(klass, _HookedOptimizer):
+            continue
+        attrs.update({k: v for k, v in klass.__dict__.items()
+                      if k not in ("__dict__", "__weakref__")})
+    attrs["_hvd_base"] = base
+    return type(base.__name__, (base,), attrs)
+
+
+class _DistributedOptimizer(_HookedOptimizer):
+    """Average (or sum) gradients over the process set: each gradient's allreduce starts from its
+    hook; `step()` waits for all of them, then steps the wrapped optimizer."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step=1,
+                 op=Average, gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
+                 process_set=global_process_set, defaults=None):
+        self._setup(params, named_parameters, compression, backward_passes_per_step, defaults)
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
 
         if groups is not None:
             if not (isinstance(groups, list) or groups > 0):
@@ -131,11 +225,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             seen.add(el)
         return dups
 
-    def set_backward_passes_per_step(self, passes):
-        self.backward_passes_per_step = passes
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
-
     def _register_hooks(self):
         if self._groups is not None:
             p_list = [p for param_group in self.param_groups for p in param_group["params"]
@@ -166,16 +255,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 for p in group:
                     self._p_to_group[p] = group
                 self._group_counts[group] = 0
-
-        for param_group in self.param_groups:
-            for p in param_group["params"]:
-                if p.requires_grad:
-                    self._requires_update.add(p)
-                    self._grad_accs.append(
-                        p.register_post_accumulate_grad_hook(self._make_hook(p)))
-        # The hooks hold the optimizer weakly; once it is gone (say, re-created with a new
-        # learning rate) its hooks are removed instead of submitting allreduces nobody waits on.
-        weakref.finalize(self, _remove_hooks, list(self._grad_accs))
+        self._hook_parameters()
 
     def _scale_factors(self):
         if self.op == Average:
@@ -197,7 +277,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else:
                 return self._sparse_allreduce_grad_async(p, name)
 
-        tensor_compressed, ctx = self._compression.compress(tensor)
+        tensor_compressed, ctx = self._compress(tensor)
         prescale_factor, postscale_factor = self._scale_factors()
         handle = allreduce_async_(tensor_compressed, name=name, op=self.op,
                                   prescale_factor=prescale_factor,
@@ -209,7 +289,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         name = self._wire_names.get(ps[0])
         # A sparse gradient inside an explicit group is reduced dense (written back sparse).
         dense = [p.grad.to_dense() if p.grad.is_sparse else p.grad for p in ps]
-        tensors_compressed, ctxs = zip(*[self._compression.compress(t) for t in dense])
+        tensors_compressed, ctxs = zip(*[self._compress(t) for t in dense])
         prescale_factor, postscale_factor = self._scale_factors()
         handle = grouped_allreduce_async_(list(tensors_compressed), name=name, op=self.op,
                                           prescale_factor=prescale_factor,
@@ -222,39 +302,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                         process_set=self.process_set)
         return handle, None
 
-    def _make_hook(self, p):
-        ref = weakref.ref(self)
-
-        def hook(*ignore):
-            opt = ref()
-            if opt is None:
-                return
-            if p in opt._handles and opt._handles[p][0] is not None:
-                if opt._allreduce_delay[p] <= 0:
-                    raise AssertionError(
-                        "Gradients were computed more than backward_passes_per_step times "
-                        "before call to step(). Increase backward_passes_per_step to "
-                        "accumulate gradients locally.")
-            assert not p.grad.requires_grad
-            assert opt._allreduce_delay[p] > 0
-            handle, ctx = None, None
-            opt._allreduce_delay[p] -= 1
-            if opt._allreduce_delay[p] == 0:
-                if opt._groups is not None:
-                    group = opt._p_to_group[p]
-                    opt._group_counts[group] += 1
-                    if opt._group_counts[group] == len(group):
-                        handle, ctxs = opt._grouped_allreduce_grad_async(group)
-                        opt._handles[group] = (handle, ctxs)
-                        # Drop the placeholders left by the group's earlier hooks.
-                        for gp in group:
-                            opt._handles.pop(gp, None)
-                        opt._group_counts[group] = 0
-                        return
-                else:
-                    handle, ctx = opt._allreduce_grad_async(p)
-            opt._handles[p] = (handle, ctx)
-        return hook
+    def _gradient_ready(self, p):
+        if self._groups is None:
+            return self._allreduce_grad_async(p)
+        group = self._p_to_group[p]
+        self._group_counts[group] += 1
+        if self._group_counts[group] == len(group):
+            self._handles[group] = self._grouped_allreduce_grad_async(group)
+            # Drop the placeholders left by the group's earlier hooks.
+            for gp in group:
+                self._handles.pop(gp, None)
+            self._group_counts[group] = 0
+            return None
+        return None, None
 
     @staticmethod
     def _write_back(p, aggregated):
@@ -271,7 +331,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self):
         """Wait for every gradient allreduce and write the results into `p.grad`."""
-        if not self.process_set.included():
+        if self.process_set is not global_process_set and not self.process_set.included():
             self._synchronized = True
             return
 
@@ -294,7 +354,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 outputs = synchronize(handle)
                 for gp, output, gctx in zip(p, outputs, ctx):
                     self._allreduce_delay[gp] = self.backward_passes_per_step
-                    self._write_back(gp, self._compression.decompress(output, gctx))
+                    self._write_back(gp, self._decompress(output, gctx))
                 if self._groups is not None and self._group_counts[p] != 0:
                     self._group_counts[p] = 0
             else:
@@ -305,7 +365,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     group = self._p_to_group[p]
                     if self._group_counts[group] != 0:
                         self._group_counts[group] = 0
-                self._write_back(p, self._compression.decompress(output, ctx))
+                self._write_back(p, self._decompress(output, ctx))
         self._handles.clear()
         self._synchronized = True
 
@@ -335,22 +395,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
-        base_step = self._hvd_base.step
-        if getattr(base_step, "hooked", False):
-            # This class's own step is already wrapped by torch's step-hook/profiler wrapper;
-            # call the base implementation underneath it so step hooks run once.
-            base_step = base_step.__wrapped__
-        return base_step(self, closure)
-
-    def zero_grad(self, set_to_none: bool = True):
-        if self._handles:
-            raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
-                                 "but before optimizer.step() or optimizer.synchronize(). "
-                                 "This is prohibited as it can cause a race condition.")
-        return self._hvd_base.zero_grad(self, set_to_none)
+        return self._base_step(closure)
 
 
-class _DistributedAdasumOptimizer(torch.optim.Optimizer):
+class _DistributedAdasumOptimizer(_HookedOptimizer):
     """Horovod's delta formulation of Adasum: as soon as a parameter's gradient is ready, step
     the wrapped optimizer on that parameter alone, then Adasum-allreduce the change it made
     (new - start) in place; `step()` waits and sets every parameter to start + combined delta.
@@ -359,58 +407,22 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
     own scaling (learning rate, momentum, Adam's normalisation) applies before the combination.
     """
 
-    _hvd_base = torch.optim.Optimizer
-    _hvd_distributed = True
-
     def __init__(self, params, named_parameters, compression, backward_passes_per_step=1,
                  defaults=None):
-        self._hvd_base.__init__(self, params)
-        if defaults is not None:
-            self.defaults = dict(defaults)
-        self._compression = compression
-
-        named_sorted, wire_prefix = _named_parameters(self.param_groups, named_parameters)
-        self._parameter_names = {v: k for k, v in named_sorted}
-        self._wire_names = {v: wire_prefix + k for k, v in named_sorted}
-        self.backward_passes_per_step = backward_passes_per_step
-        self._allreduce_delay = {v: self.backward_passes_per_step for _, v in named_sorted}
+        named_sorted = self._setup(params, named_parameters, compression,
+                                   backward_passes_per_step, defaults)
         self.op = Adasum
         self.process_set = global_process_set
-        self._handles = {}
-        self._grad_accs = []
-        self._requires_update = set()
-        self._synchronized = False
-        self._should_synchronize = True
         # The parameters' values before the local step: delta = new - start.
         self._starting_models = {p: torch.zeros_like(p, requires_grad=False)
                                  for _, p in named_sorted}
-        self._register_hooks()
-
-    def set_backward_passes_per_step(self, passes):
-        self.backward_passes_per_step = passes
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._hook_parameters()
 
     def load_state_dict(self, *args, **kwargs):
         self._handles = {}
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         return self._hvd_base.load_state_dict(self, *args, **kwargs)
-
-    def _register_hooks(self):
-        for param_group in self.param_groups:
-            for p in param_group["params"]:
-                if p.requires_grad:
-                    self._requires_update.add(p)
-                    self._grad_accs.append(
-                        p.register_post_accumulate_grad_hook(self._make_hook(p)))
-        weakref.finalize(self, _remove_hooks, list(self._grad_accs))
-
-    def _base_step(self, closure=None):
-        base_step = self._hvd_base.step
-        if getattr(base_step, "hooked", False):
-            base_step = base_step.__wrapped__
-        return base_step(self, closure)
 
     def _allreduce_grad_async(self, p):
         """Step the wrapped optimizer on p alone, turn p into the delta, Adasum it in place."""
@@ -426,31 +438,9 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
             for saved, group in zip(stashed, self.param_groups):
                 group["params"] = saved
         p.data.sub_(start)
-        tensor_compressed, ctx = self._compression.compress(p.data)
+        tensor_compressed, ctx = self._compress(p.data)
         handle = allreduce_async_(tensor_compressed, name=self._wire_names.get(p), op=Adasum)
         return handle, ctx
-
-    def _make_hook(self, p):
-        ref = weakref.ref(self)
-
-        def hook(*ignore):
-            opt = ref()
-            if opt is None:
-                return
-            if p in opt._handles and opt._handles[p][0] is not None:
-                if opt._allreduce_delay[p] <= 0:
-                    raise AssertionError(
-                        "Gradients were computed more than backward_passes_per_step times "
-                        "before call to step(). Increase backward_passes_per_step to "
-                        "accumulate gradients locally.")
-            assert not p.grad.requires_grad
-            assert opt._allreduce_delay[p] > 0
-            handle, ctx = None, None
-            opt._allreduce_delay[p] -= 1
-            if opt._allreduce_delay[p] == 0:
-                handle, ctx = opt._allreduce_grad_async(p)
-            opt._handles[p] = (handle, ctx)
-        return hook
 
     def synchronize(self):
         """Nothing to do: with Adasum the reduction happens in step()."""
@@ -475,20 +465,13 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
                 handle, ctx = self._allreduce_grad_async(p)
                 self._handles[p] = (handle, ctx)
         for p, (handle, ctx) in self._handles.items():
-            delta = self._compression.decompress(synchronize(handle), ctx)
+            delta = self._decompress(synchronize(handle), ctx)
             start = self._starting_models[p]
             start.data.add_(delta.data.view_as(start))
             p.data.copy_(start)
             self._allreduce_delay[p] = self.backward_passes_per_step
         self._handles.clear()
         return loss
-
-    def zero_grad(self, set_to_none: bool = True):
-        if self._handles:
-            raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
-                                 "but before optimizer.step() or optimizer.synchronize(). "
-                                 "This is prohibited as it can cause a race condition.")
-        return self._hvd_base.zero_grad(self, set_to_none)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None,
@@ -545,15 +528,11 @@ def DistributedOptimizer(optimizer, named_parameters=None,
         if any(p.device.type != "cpu" for group in optimizer.param_groups
                for p in group["params"]):
             raise NotImplementedError(_adasum.GPU_TENSOR)
-        attrs = dict(_DistributedAdasumOptimizer.__dict__)
-        attrs["_hvd_base"] = base
-        cls = type(base.__name__, (base,), attrs)
+        cls = _wrapper_class(base, _DistributedAdasumOptimizer)
         return cls(optimizer.param_groups, named_parameters, compression,
                    backward_passes_per_step, defaults=getattr(optimizer, "defaults", None))
 
-    attrs = dict(_DistributedOptimizer.__dict__)
-    attrs["_hvd_base"] = base
-    cls = type(base.__name__, (base,), attrs)
+    cls = _wrapper_class(base, _DistributedOptimizer)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
                op, gradient_predivide_factor, groups, sparse_as_dense, process_set,
                defaults=getattr(optimizer, "defaults", None))

@@ -8,36 +8,18 @@ compared with torch.equal.
 """
 from __future__ import annotations
 
-import time
-import traceback
 import zlib
 
 import torch
 
 import hvdlite.torch as hvd
+from harness import FAILURES, check, expect_raises, fail, finish, log  # noqa: F401  (one harness)
 
 ALL_DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
               torch.bfloat16, torch.float32, torch.float64]
 REDUCE_OPS = {"Average": hvd.Average, "Sum": hvd.Sum, "Min": hvd.Min, "Max": hvd.Max,
               "Product": hvd.Product}
 SHAPES = [(), (7,), (3, 4, 5)]
-
-FAILURES: list[str] = []
-_CHECKS = 0
-_soft: list | None = None     # mismatches collected by the running check
-
-
-def fail(msg: str) -> None:
-    """Record a mismatch; inside check() the check goes on (so every rank still runs the same
-    collectives) and fails at its end."""
-    if _soft is None:
-        raise AssertionError(msg)
-    _soft.append(msg)
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
 
 _salt_ids: dict = {}
 
@@ -122,51 +104,3 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol=1e-6, at
         torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
     except AssertionError as exc:
         fail(f"{what}: {exc}")
-
-
-def expect_raises(exc_types, fn, what: str, match: str | None = None):
-    try:
-        fn()
-    except exc_types as exc:
-        if match is not None and match not in str(exc):
-            fail(f"{what}: raised {type(exc).__name__} without {match!r}: {exc}")
-        return exc
-    except Exception as exc:  # wrong type
-        fail(f"{what}: expected {exc_types}, got {type(exc).__name__}: {exc}")
-        return exc
-    fail(f"{what}: expected {exc_types}, nothing was raised")
-    return None
-
-
-def check(name: str, fn, *args, **kwargs) -> None:
-    """Run one named check; record (and print) a failure instead of stopping the script.
-
-    A check must run the same collectives on every rank even when it fails, so assertions are
-    made after the collectives of the check have completed."""
-    global _CHECKS, _soft
-    _CHECKS += 1
-    t0 = time.monotonic()
-    _soft = []
-    try:
-        fn(*args, **kwargs)
-    except Exception as exc:
-        FAILURES.append(name)
-        log(f"CHECK {name} FAIL {type(exc).__name__}: {exc}")
-        for line in traceback.format_exc().splitlines():
-            log(f"  | {line}")
-        return
-    finally:
-        mismatches, _soft = _soft, None
-    if mismatches:
-        FAILURES.append(name)
-        log(f"CHECK {name} FAIL {len(mismatches)} mismatches")
-        for m in mismatches[:6]:
-            log(f"  | {m}")
-        return
-    log(f"CHECK {name} OK ({time.monotonic() - t0:.2f}s)")
-
-
-def finish() -> None:
-    """The last line of a rank: proof that it ran every check (the test file judges each
-    check by its CHECK line, so known bugs can be marked xfail one by one)."""
-    log(f"FINISHED {_CHECKS} checks, {len(FAILURES)} failed: {FAILURES}")

@@ -4,25 +4,11 @@ errors. A check keeps running its collectives after a mismatch (so every rank st
 fails at its end."""
 from __future__ import annotations
 
-import time
-import traceback
-
 import torch
 
+from harness import FAILURES, check, expect_raises, fail, finish, log  # noqa: F401  (one harness)
+
 RTOL, ATOL = 1e-5, 1e-6
-FAILURES: list[str] = []
-_CHECKS = 0
-_soft: list | None = None
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def fail(msg: str) -> None:
-    if _soft is None:
-        raise AssertionError(msg)
-    _soft.append(msg)
 
 
 def close(actual, expected, what: str, rtol: float = RTOL, atol: float = ATOL) -> None:
@@ -48,47 +34,3 @@ def equal(actual, expected, what: str) -> None:
     if not torch.equal(actual, expected):
         diff = (actual.double() - expected.double()).abs().max().item()
         fail(f"{what}: not bit-identical (max abs diff {diff})")
-
-
-def expect_raises(exc_types, fn, what: str, match=None):
-    """`fn()` must raise one of `exc_types` with every string in `match` in its message."""
-    try:
-        fn()
-    except exc_types as exc:
-        for m in ([match] if isinstance(match, str) else (match or [])):
-            if m not in str(exc):
-                fail(f"{what}: {type(exc).__name__} without {m!r}: {exc}")
-        return exc
-    except Exception as exc:
-        fail(f"{what}: expected {exc_types}, got {type(exc).__name__}: {exc}")
-        return exc
-    fail(f"{what}: expected {exc_types}, nothing was raised")
-    return None
-
-
-def check(name: str, fn, *args, **kwargs) -> None:
-    global _CHECKS, _soft
-    _CHECKS += 1
-    t0 = time.monotonic()
-    _soft = []
-    try:
-        fn(*args, **kwargs)
-    except Exception as exc:
-        FAILURES.append(name)
-        log(f"CHECK {name} FAIL {type(exc).__name__}: {exc}")
-        for line in traceback.format_exc().splitlines()[-25:]:
-            log(f"  | {line}")
-        return
-    finally:
-        mismatches, _soft = _soft, None
-    if mismatches:
-        FAILURES.append(name)
-        log(f"CHECK {name} FAIL {len(mismatches)} mismatches")
-        for m in mismatches[:8]:
-            log(f"  | {m}")
-        return
-    log(f"CHECK {name} OK ({time.monotonic() - t0:.2f}s)")
-
-
-def finish() -> None:
-    log(f"FINISHED {_CHECKS} checks, {len(FAILURES)} failed: {FAILURES}")

@@ -4,12 +4,11 @@ SyncBatchNorm (2 ranks), each against what a single process computes.
 SyncBatchNorm is compared with torch's BatchNorm on the global batch (every rank's local batch
 concatenated, also with unequal per-rank batch sizes): forward output, input gradient, the sum
 over ranks of the weight/bias gradients (they stay local, as in Horovod, for DistributedOptimizer
-to reduce), running statistics, and eval-mode output. Prints "OK <check>" per check.
+to reduce), running statistics, and eval-mode output. Prints one `CHECK <name> OK|FAIL` line per check (tests/workers/harness.py).
 """
 from __future__ import annotations
 
 import sys
-import traceback
 import warnings
 
 import torch
@@ -17,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hvdlite.torch as hvd
+import harness
 
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
@@ -361,20 +361,13 @@ def sync_batch_norm_training_with_distributed_optimizer():
     assert isinstance(model.bn, torch.nn.modules.batchnorm._BatchNorm)
 
 
-failed = False
 for fn in CHECKS:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            fn()
-        print(f"OK {fn.__name__}", flush=True)
-    except Exception:
-        failed = True
-        print(f"FAIL {fn.__name__}", flush=True)
-        traceback.print_exc()
-        sys.stdout.flush()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        harness.check(fn.__name__, fn)
+    if harness.FAILURES:   # later checks assume this one's state: stop every rank at once
         break
-if failed:
+harness.finish()
+if harness.FAILURES:
     sys.exit(1)
-print("ALL DONE", flush=True)
 hvd.shutdown()

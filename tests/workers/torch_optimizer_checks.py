@@ -3,12 +3,11 @@
 Every rank builds the whole global batch from a seeded generator and trains on its own slice;
 the reference model (same seed) trains in this process on the whole batch with the equivalent
 plain optimizer. After a few steps each rank's weights must equal the reference, and be
-identical on every rank. Prints "OK <check>" per check and "ALL DONE" at the end.
+identical on every rank. Prints one `CHECK <name> OK|FAIL` line per check and `FINISHED` (tests/workers/harness.py).
 """
 from __future__ import annotations
 
 import sys
-import traceback
 import warnings
 
 import torch
@@ -16,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hvdlite.torch as hvd
+import harness
 import hvdlite.torch.optimizer as hopt
 
 hvd.init()
@@ -583,18 +583,13 @@ def recreated_optimizer():
     assert_identical_across_ranks(model)
 
 
-failed = False
 for fn in CHECKS:
-    try:
-        fn()
-        print(f"OK {fn.__name__}", flush=True)
-    except Exception:
-        failed = True
-        print(f"FAIL {fn.__name__}", flush=True)
-        traceback.print_exc()
-        sys.stdout.flush()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        harness.check(fn.__name__, fn)
+    if harness.FAILURES:   # later checks assume this one's state: stop every rank at once
         break
-if failed:
+harness.finish()
+if harness.FAILURES:
     sys.exit(1)
-print("ALL DONE", flush=True)
 hvd.shutdown()

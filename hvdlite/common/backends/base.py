@@ -17,6 +17,18 @@ class Work(Protocol):
         """Block until the collective finished; raise if it failed."""
 
 
+class Done:
+    """Work that is already finished (a one-rank set, or a transport that ran synchronously).
+    The engine finishes a collective that yields DONE on its own thread, without a hand-off."""
+
+    @staticmethod
+    def wait() -> None:
+        pass
+
+
+DONE = Done()
+
+
 class Communicator(Protocol):
     rank: int
     size: int

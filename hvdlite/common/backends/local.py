@@ -3,16 +3,7 @@ from __future__ import annotations
 
 import torch
 
-
-class Done:
-    """Work that is already finished."""
-
-    @staticmethod
-    def wait() -> None:
-        pass
-
-
-DONE = Done()
+from .base import DONE, Done
 
 
 class SelfCommunicator:

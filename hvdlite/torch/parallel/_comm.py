@@ -7,8 +7,6 @@ process set of one rank (the collective would be the identity).
 """
 from __future__ import annotations
 
-import os
-import sys
 import time
 from typing import Callable, Optional
 
@@ -16,6 +14,7 @@ import torch
 
 from .. import mpi_ops
 from ...common import basics as _basics
+from ...common import naming
 from ...common.process_sets import ProcessSet
 
 
@@ -38,20 +37,11 @@ def set_rank(ps: ProcessSet) -> int:
     return r
 
 
-_PKG_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 def site_name(prefix: str) -> str:
     """A stable collective name for an unnamed call: the calling line outside hvdlite. Stable
     (no per-call counter) so the engine caches it every step; calls are synchronous, so repeated
     calls from one line never overlap."""
-    frame = sys._getframe(1)
-    while frame is not None and \
-            os.path.abspath(frame.f_code.co_filename).startswith(_PKG_DIR + os.sep):
-        frame = frame.f_back
-    if frame is None:
-        return prefix
-    return f"{prefix}@{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    return naming.site_name(prefix)
 
 
 def shape_tag(t: torch.Tensor) -> str:
@@ -117,29 +107,26 @@ def wait_handle(handle: int, *, timeout: Optional[float] = None,
 
     None or 0 for either limit disables it."""
     start = time.monotonic()
-    entry = mpi_ops._handle_map.get(handle)
-    event = getattr(entry[0], "_event", None) if entry is not None else None
+    try:
+        pending = mpi_ops.get_handle(handle)
+    except ValueError:       # already synchronized: synchronize() says so its own way
+        return mpi_ops.synchronize(handle)
     next_warn = start + warn_after if warn_after else None
     deadline = start + timeout if timeout else None
-    delay = 0.0002
     while True:
-        if entry is None:
-            break
         now = time.monotonic()
         slice_s = 1.0
         if next_warn is not None:
             slice_s = min(slice_s, max(0.0, next_warn - now))
         if deadline is not None:
             slice_s = min(slice_s, max(0.0, deadline - now))
-        if event is not None:
-            done = event.wait(slice_s)
-        else:  # an engine without a waitable event: poll with a short, growing sleep
-            done = entry[0].done()
-            if not done:
-                time.sleep(min(delay, slice_s))
-                delay = min(delay * 2, 0.005)
-        if done:
+        try:
+            pending.wait(timeout=slice_s)
             break
+        except TimeoutError:
+            pass
+        except Exception:    # failed: synchronize re-raises the error and frees the handle
+            return mpi_ops.synchronize(handle)
         now = time.monotonic()
         if deadline is not None and now >= deadline:
             if on_timeout is not None:

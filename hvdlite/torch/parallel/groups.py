@@ -20,15 +20,7 @@ _current_mesh: Optional["Mesh"] = None
 # ---------------------------------------------------------------------- process set registry
 def find_process_set(ranks: Sequence[int]) -> Optional[ProcessSet]:
     """The registered process set with exactly these global ranks, or None."""
-    want = sorted(int(r) for r in ranks)
-    state = _basics._require()
-    if want == list(range(state.size)):
-        return global_process_set
-    for sid in sorted(state.sets):
-        ps = state.sets[sid]
-        if ps.process_set_id is not None and ps.ranks is not None and sorted(ps.ranks) == want:
-            return ps
-    return None
+    return _basics.find_process_set(ranks)
 
 
 def ensure_process_sets(rank_lists: Sequence[Sequence[int]], purpose: str) -> list[ProcessSet]:
@@ -43,8 +35,7 @@ def ensure_process_sets(rank_lists: Sequence[Sequence[int]], purpose: str) -> li
         if find_process_set(ranks) is None and ranks not in missing:
             missing.append(ranks)
     if missing:
-        state = _basics._require()
-        if not state.dynamic:
+        if not _basics.dynamic_process_sets():
             shown = ", ".join(str(r) for r in missing[:6]) + (" ..." if len(missing) > 6 else "")
             raise ValueError(
                 f"{purpose} needs process sets that do not exist yet ({shown}) and this job was "

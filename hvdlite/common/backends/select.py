@@ -1,0 +1,61 @@
+"""Which transport a job uses, and the factory that builds a process set's communicator on it.
+
+Kept here, beside the transports, so `basics` (lifecycle and topology) never names one.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..config import env
+from . import mpi as mpi_backend
+from . import nccl as nccl_backend
+from .base import Communicator
+from .gloo import GlooCommunicator
+from .local import SelfCommunicator
+
+CommFactory = Callable[[int, list, str], Communicator]
+
+
+def choose_transport(comm) -> str:
+    """gloo or mpi, as Horovod's HOROVOD_CPU_OPERATIONS says; under mpirun, MPI by default."""
+    choice = (env("CPU_OPERATIONS") or "").strip().lower()
+    if choice not in ("", "gloo", "mpi"):
+        raise ValueError(f"HOROVOD_CPU_OPERATIONS={choice!r}: hvdlite supports 'gloo' and 'mpi'")
+    if comm is not None and choice == "gloo":
+        raise ValueError("init(comm=...) takes an MPI communicator, but HOROVOD_CPU_OPERATIONS "
+                         "is 'gloo'; unset it or set it to 'mpi'.")
+    if comm is not None or choice == "mpi":
+        if not mpi_backend.available():
+            raise ValueError("the MPI transport needs mpi4py and an MPI library: "
+                             "pip install mpi4py mpich (or use HOROVOD_CPU_OPERATIONS=gloo)")
+        return "mpi"
+    if not choice and mpi_backend.launched_by_mpi() and mpi_backend.available():
+        return "mpi"
+    return "gloo"
+
+
+def mpi_world(transport: str, comm) -> Any:
+    """The MPI communicator ranks meet over, or None: under mpirun (or with init(comm=...))
+    ranks meet over MPI whatever the transport."""
+    if transport == "mpi" or mpi_backend.started_by_mpi():
+        return mpi_backend.world(comm)
+    return None
+
+
+def comm_factory(transport: str, *, store, prefix: str, world, rank: int,
+                 timeout_s: float) -> CommFactory:
+    """A function (set_id, ranks, kind) -> Communicator for this job: a local copy for a one-rank
+    set, NCCL for CUDA buffers when available, else MPI or gloo as chosen."""
+
+    def build(set_id: int, ranks: list, kind: str = "cpu") -> Communicator:
+        if len(ranks) == 1:
+            return SelfCommunicator()
+        if kind == "cuda" and nccl_backend.available():
+            return nccl_backend.NCCLCommunicator(store, f"{prefix}nccl/{set_id}/",
+                                                 ranks.index(rank), len(ranks), timeout_s)
+        if transport == "mpi":
+            return mpi_backend.MPICommunicator.for_ranks(world, ranks)
+        return GlooCommunicator(store, f"{prefix}pg/{set_id}/", ranks.index(rank), len(ranks),
+                                timeout_s)
+
+    return build

@@ -1,0 +1,74 @@
+"""Names for unnamed collectives, written once for every frontend and add-on.
+
+The engine matches tensors across ranks by name, so a name must be identical on every rank.
+Horovod named unnamed calls by a global handle counter, which breaks as soon as ranks interleave
+calls differently; hvdlite names them by the user's calling line instead.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_counters: dict[tuple, int] = {}
+_lock = threading.Lock()
+_skip_cache: tuple | None = None
+
+
+def _framework_dirs() -> tuple:
+    """hvdlite's own directory plus those of TensorFlow/Keras when they are loaded: frames in
+    them are library code, never the user's call site."""
+    global _skip_cache
+    dirs = [_PKG_DIR + os.sep]
+    for mod in ("tensorflow", "keras", "tf_keras"):
+        m = sys.modules.get(mod)
+        f = getattr(m, "__file__", None) if m is not None else None
+        if f:
+            dirs.append(os.path.dirname(os.path.abspath(f)))
+    if len(dirs) == 1:
+        return tuple(dirs)
+    _skip_cache = tuple(dirs)
+    return _skip_cache
+
+
+def call_site(frameworks: bool = False) -> tuple[str, int] | None:
+    """(file basename, line) of the first frame outside hvdlite (and, with `frameworks`, outside
+    TensorFlow and Keras), or None when there is none."""
+    skip = (_skip_cache or _framework_dirs()) if frameworks else (_PKG_DIR + os.sep,)
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    return os.path.basename(frame.f_code.co_filename), frame.f_lineno
+
+
+def auto_name(op: str, set_id: int = 0) -> str:
+    """A per-call name: the calling line plus how many times that line has run for this process
+    set (calls from one line may overlap, so each gets its own name; not cacheable)."""
+    site = call_site() or ("?", 0)
+    key = (op, set_id) + site
+    with _lock:
+        n = _counters.get(key, 0)
+        _counters[key] = n + 1
+    return f"{op}.noname.{site[0]}:{site[1]}.{n}"
+
+
+def site_name(prefix: str) -> str:
+    """A stable name: `prefix@file:line` (no counter, so the response cache serves it every
+    step). Only for synchronous calls, which never overlap with themselves."""
+    site = call_site()
+    return prefix if site is None else f"{prefix}@{site[0]}:{site[1]}"
+
+
+def framework_site() -> str:
+    """`file:line` of the user's line outside hvdlite, TensorFlow and Keras (stable per step)."""
+    site = call_site(frameworks=True)
+    return "unknown" if site is None else f"{site[0]}:{site[1]}"
+
+
+def reset() -> None:
+    """Restart every call-site counter (a new elastic round: joiners must count as survivors)."""
+    with _lock:
+        _counters.clear()

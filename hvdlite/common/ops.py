@@ -1,0 +1,363 @@
+"""The op layer: every collective of every frontend enters the engine here, and only here.
+
+    frontend (torch / TF / add-ons)  --buffers, names, op, scales, process_set, group-->  ops
+    ops  --Request + Entry-->  engine.enqueue  -->  public Handle (wait(timeout), done, test)
+
+A *buffer* is what the engine moves: a torch tensor on any device (TensorFlow tensors arrive
+over DLPack). Frontends convert tensors to buffers and back, and wrap optimizers; dtype names,
+argument checks, call-site naming, grouping, cache flags, join/barrier counters and the object
+helpers live here once, so every frontend behaves the same. The engine's `Request` and `Entry`
+never leave `common/`.
+"""
+from __future__ import annotations
+
+import io
+import threading
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from . import adasum as _adasum
+from . import basics as _basics
+from . import naming
+from .collectives import DTYPE_NAMES
+from .engine import Entry
+from .messages import (ADASUM, ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BARRIER,
+                       BROADCAST, JOIN, MAX, MIN, PRODUCT, REDUCESCATTER, REMOVE_PROCESS_SET,
+                       SUM, Request)
+from .process_sets import ProcessSet, global_process_set
+
+Buffer = torch.Tensor
+Names = Union[str, Sequence[str], None]
+
+REDUCE_OPS = (AVERAGE, SUM, MIN, MAX, PRODUCT)
+REDUCIBLE = frozenset({"uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
+                       "float32", "float64"})
+
+
+# ---------------------------------------------------------------------- the public handle
+class Handle:
+    """One submitted collective (one or more buffers), mpi4py-request style.
+
+    `wait(timeout=None)` returns the result (raising HorovodInternalError on failure, and
+    TimeoutError, leaving the handle usable, when `timeout` seconds pass first); `test()` returns
+    `(done, result_or_None)` without blocking; `done()` says whether `wait` would block;
+    `add_done_callback(fn)` calls `fn(handle)` once it completes (on an engine thread)."""
+
+    __slots__ = ("_inner", "_post", "_alive", "_result", "_error", "_waited", "_lock")
+
+    def __init__(self, inner, post: Callable[[list], Any], alive: Optional[Callable[[], bool]]):
+        self._inner = inner
+        self._post = post
+        self._alive = alive
+        self._waited = False
+        self._result: Any = None
+        self._error: Optional[BaseException] = None
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        return self._waited or self._inner.done()
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        with self._lock:
+            if not self._waited:
+                try:
+                    results = self._inner.wait(self._alive, timeout)
+                except TimeoutError:
+                    raise
+                except BaseException as exc:
+                    self._error, self._waited = exc, True
+                else:
+                    self._result, self._waited = self._post(results), True
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def test(self) -> tuple[bool, Any]:
+        if not self.done():
+            return False, None
+        return True, self.wait()
+
+    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
+        self._inner.add_callback(lambda: fn(self))
+
+    def __repr__(self) -> str:
+        return f"<hvdlite Handle {self._inner.names()} done={self.done()}>"
+
+
+def _first(results: list) -> Any:
+    return results[0]
+
+
+def _state():
+    # The module attribute, not basics' accessors: a collective's path stays in this file.
+    state = _basics._state
+    if state is None:
+        raise ValueError(_basics.NOT_INITIALIZED)
+    return state
+
+
+def _submit(entries: list, post: Callable[[list], Any] = list) -> Handle:
+    state = _state()
+    inner = state.engine.enqueue(entries)
+    return Handle(inner, post, state.engine.alive)
+
+
+# ---------------------------------------------------------------------- checks and naming
+def set_id(process_set: Union[ProcessSet, int, None]) -> int:
+    """The registered id of `process_set` (None: the global set; an int: already an id)."""
+    if isinstance(process_set, int):
+        return process_set
+    if process_set is None:
+        return 0
+    sid = process_set.process_set_id
+    if sid is None:
+        raise ValueError(f"{process_set} is not registered: pass it to init(process_sets=...) or "
+                         f"add_process_set() first")
+    return sid
+
+
+def set_ranks(process_set: Union[ProcessSet, int, None]) -> list:
+    """The global ranks of a registered process set."""
+    return _basics._set_ranks(set_id(process_set))
+
+
+def dtype_name(buffer: Buffer, reduce: bool = False) -> str:
+    """The engine's name for a buffer's dtype; ValueError (Horovod's message) if unsupported."""
+    name = DTYPE_NAMES.get(buffer.dtype)
+    if name is None or (reduce and name not in REDUCIBLE):
+        raise ValueError(f"Tensor type {buffer.type()} is not supported"
+                         + (" for reductions." if name is not None else "."))
+    return name
+
+
+def check_reduce_op(op, process_set=None, buffers: Sequence[Buffer] = (),
+                    what: str = "allreduce") -> None:
+    """Horovod's op checks; Adasum only for allreduce, with Horovod's conditions: the global
+    process set, a power-of-two number of ranks, CPU floating-point buffers."""
+    if op == ADASUM and what == "allreduce":
+        if set_id(process_set) != 0:
+            raise NotImplementedError(_adasum.NON_GLOBAL_SET)
+        if not _adasum.is_power_of_two(_basics.size()):
+            raise NotImplementedError(_adasum.NON_POWER_OF_TWO)
+        for t in buffers:
+            if t.device.type != "cpu":
+                raise NotImplementedError(_adasum.GPU_TENSOR)
+            if not t.is_floating_point():
+                raise ValueError(f"op=Adasum needs floating-point tensors (float16, bfloat16, "
+                                 f"float32 or float64); got {t.dtype}.")
+        return
+    if op not in REDUCE_OPS:
+        if what == "allreduce":
+            raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Min, Max or "
+                             f"Product")
+        raise ValueError(f"{what} supports op Average, Sum, Min, Max or Product")
+
+
+def check_rank(buffer: Buffer, what: str) -> None:
+    """Collectives that split or concatenate along dimension 0 need one."""
+    if buffer.dim() == 0:
+        raise ValueError(f"{what} needs a tensor with at least one dimension")
+
+
+def resolve_names(kind: str, names: Names, n: int, sid: int, group) -> tuple[list, str]:
+    """(one wire name per buffer, base name). None: named by call site (`naming.auto_name`);
+    a string: used as is for one ungrouped buffer, else as the base of `base.i`; a list: as
+    given."""
+    if names is None or isinstance(names, str):
+        base = naming.auto_name(kind, sid) if names is None else names
+        if n == 1 and not group:
+            return [base], base
+        return [f"{base}.{i}" for i in range(n)], base
+    names = [str(x) for x in names]
+    if len(names) != n:
+        raise ValueError(f"{kind}: {n} tensors but {len(names)} names")
+    return names, names[0] if n else kind
+
+
+def _group(group, base: str, n: int) -> tuple[Optional[str], int]:
+    if not group or n <= 1:
+        return None, 0
+    return (base if group is True else str(group)), n
+
+
+def _requests(kind: str, rtype: int, buffers: Sequence[Buffer], names: Names, process_set,
+              group, cacheable: Optional[bool], reduce: bool = False, **kw) -> list[Request]:
+    sid = set_id(process_set)
+    n = len(buffers)
+    wire, base = resolve_names(kind, names, n, sid, group)
+    gname, gsize = _group(group, base, n)
+    cache = (names is not None) if cacheable is None else bool(cacheable)
+    me = _state().rank
+    return [Request(rank=me, name=nm, type=rtype, dtype=dtype_name(b, reduce),
+                    shape=tuple(b.shape),
+                    device=b.device.index if b.device.type == "cuda" else -1,
+                    process_set_id=sid, cacheable=cache, group=gname, group_size=gsize, **kw)
+            for b, nm in zip(buffers, wire)]
+
+
+def _contiguous(b: Buffer) -> Buffer:
+    b = b.detach()
+    return b if b.is_contiguous() else b.contiguous()
+
+
+# ---------------------------------------------------------------------- collectives
+def allreduce(buffers: Sequence[Buffer], *, names: Names = None, op: int = AVERAGE,
+              prescale: float = 1.0, postscale: float = 1.0, process_set=None, group=None,
+              outputs: Optional[Sequence[Buffer]] = None, cacheable: Optional[bool] = None
+              ) -> Handle:
+    """Reduce each buffer over the set; `outputs` (default: new buffers) receive the results.
+    `group` (True or a group name) releases and fuses the buffers together. Result: list."""
+    buffers = list(buffers)
+    check_reduce_op(op, process_set, buffers, "allreduce")
+    reqs = _requests("allreduce", ALLREDUCE, buffers, names, process_set, group, cacheable,
+                     reduce=True, reduce_op=op, prescale=float(prescale),
+                     postscale=float(postscale))
+    if outputs is None:
+        outputs = [torch.empty_like(b, memory_format=torch.contiguous_format) for b in buffers]
+    return _submit([Entry(r, _contiguous(b), o) for r, b, o in zip(reqs, buffers, outputs)])
+
+
+def allgather(buffers: Sequence[Buffer], *, names: Names = None, process_set=None, group=None,
+              cacheable: Optional[bool] = None) -> Handle:
+    """Concatenate every rank's buffer along dimension 0 (first dims may differ). Result: list."""
+    buffers = list(buffers)
+    for b in buffers:
+        if b.dim() == 0:
+            raise ValueError("allgather needs a tensor with at least one dimension; reshape the "
+                             "scalar to [1]")
+    reqs = _requests("allgather", ALLGATHER, buffers, names, process_set, group, cacheable)
+    return _submit([Entry(r, _contiguous(b)) for r, b in zip(reqs, buffers)])
+
+
+def broadcast(buffers: Sequence[Buffer], root_rank: int, *, names: Names = None,
+              process_set=None, group=None, outputs: Optional[Sequence[Buffer]] = None,
+              cacheable: Optional[bool] = None) -> Handle:
+    """Every rank gets `root_rank`'s buffers (a global rank). Result: list (`outputs`)."""
+    buffers = list(buffers)
+    reqs = _requests("broadcast", BROADCAST, buffers, names, process_set, group, cacheable,
+                     root_rank=int(root_rank))
+    if outputs is None:
+        outputs = [torch.empty_like(b, memory_format=torch.contiguous_format) for b in buffers]
+    return _submit([Entry(r, _contiguous(b), o) for r, b, o in zip(reqs, buffers, outputs)])
+
+
+def reducescatter(buffers: Sequence[Buffer], *, names: Names = None, op: int = AVERAGE,
+                  prescale: float = 1.0, postscale: float = 1.0, process_set=None, group=None,
+                  cacheable: Optional[bool] = None) -> Handle:
+    """Reduce over the set; each rank keeps its slice of dimension 0 (the first
+    dim % size ranks one row more). Result: list."""
+    buffers = list(buffers)
+    check_reduce_op(op, process_set, buffers, "reducescatter")
+    for b in buffers:
+        check_rank(b, "reducescatter")
+    reqs = _requests("reducescatter", REDUCESCATTER, buffers, names, process_set, group,
+                     cacheable, reduce=True, reduce_op=op, prescale=float(prescale),
+                     postscale=float(postscale))
+    return _submit([Entry(r, _contiguous(b)) for r, b in zip(reqs, buffers)])
+
+
+def alltoall(buffer: Buffer, splits: Optional[Sequence[int]] = None, *, names: Names = None,
+             process_set=None) -> Handle:
+    """Rows `splits[i]` go to set rank i (default: equal parts). Result: (output, received
+    splits as an int32 buffer). Never cached: splits may change every call."""
+    check_rank(buffer, "alltoall")
+    split_list = None if splits is None else tuple(int(s) for s in splits)
+    (req,) = _requests("alltoall", ALLTOALL, [buffer], names, process_set, None, False,
+                       splits=split_list)
+    entry = Entry(req, _contiguous(buffer))
+    return _submit([entry], lambda res: (res[0], entry.extra))
+
+
+# ---------------------------------------------------------------------- control
+_barrier_counts: dict[int, int] = {}
+_control_lock = threading.Lock()
+
+
+def join() -> Handle:
+    """This rank has no more data: until every rank has joined, it contributes zeros to the
+    other ranks' allreduces. Result: the rank that joined last (int)."""
+    req = Request(rank=_basics.rank(), name="join.noname", type=JOIN, cacheable=False)
+    return _submit([Entry(req)], lambda res: int(res[0]))
+
+
+def barrier(process_set=None) -> Handle:
+    """Completes once every rank of the set has reached it. Result: None."""
+    sid = set_id(process_set)
+    with _control_lock:
+        n = _barrier_counts.get(sid, 0)
+        _barrier_counts[sid] = n + 1
+    req = Request(rank=_basics.rank(), name=f"barrier.{n}", type=BARRIER, process_set_id=sid,
+                  cacheable=False)
+    return _submit([Entry(req)], lambda res: None)
+
+
+def process_set_change(name: str, extra, add: bool) -> Handle:
+    """Register (`extra`: the ranks) or remove (`extra`: the set id) a process set on every rank:
+    a collective over the whole job. Result: the set id."""
+    req = Request(rank=_basics.rank(), name=name, type=ADD_PROCESS_SET if add
+                  else REMOVE_PROCESS_SET, extra=extra, cacheable=False)
+    return _submit([Entry(req)], _first)
+
+
+def reset() -> None:
+    """Forget per-job counters (init/shutdown)."""
+    with _control_lock:
+        _barrier_counts.clear()
+
+
+# ---------------------------------------------------------------------- Python objects
+def _pickle(obj) -> Buffer:
+    import cloudpickle
+    buf = io.BytesIO()
+    cloudpickle.dump(obj, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _unpickle(data: bytes):
+    import cloudpickle
+    return cloudpickle.load(io.BytesIO(data))
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set=None) -> Any:
+    """Pickle `obj` on `root_rank` (a global rank) and return it on every rank of the set.
+
+    Other ranks may pass anything (e.g. None). `name` defaults to "broadcast_object" (Horovod
+    used the object's type name, which hangs when non-root ranks pass an object of another
+    type). Two broadcasts: the length (cached), then the bytes."""
+    name = name or "broadcast_object"
+    is_root = _basics.rank() == int(root_rank)
+    payload = _pickle(obj) if is_root else None
+    size = torch.tensor([payload.numel() if is_root else 0], dtype=torch.int64)
+    broadcast([size], root_rank, names=name + ".sz", process_set=process_set,
+              outputs=[size]).wait()
+    if payload is None:
+        payload = torch.empty(int(size[0]), dtype=torch.uint8)
+    broadcast([payload], root_rank, names=name + ".t", process_set=process_set,
+              outputs=[payload], cacheable=False).wait()
+    if is_root:
+        return obj
+    return _unpickle(payload.numpy().tobytes())
+
+
+def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> list:
+    """Pickle `obj` on every rank of the set; return all of them, in set-rank order."""
+    name = name or "allgather_object"
+    payload = _pickle(obj)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    (sizes,) = allgather([size], names=name + ".sz", process_set=process_set).wait()
+    (data,) = allgather([payload], names=name + ".t", process_set=process_set,
+                        cacheable=False).wait()
+    raw = data.numpy().tobytes()
+    out, start = [], 0
+    for n in sizes.tolist():
+        out.append(_unpickle(raw[start:start + int(n)]))
+        start += int(n)
+    return out
+
+
+__all__ = ["Buffer", "Handle", "allreduce", "allgather", "broadcast", "reducescatter",
+           "alltoall", "join", "barrier", "broadcast_object", "allgather_object", "set_id",
+           "set_ranks", "dtype_name", "check_reduce_op", "resolve_names", "reset",
+           "AVERAGE", "SUM", "ADASUM", "MIN", "MAX", "PRODUCT"]

@@ -1,0 +1,51 @@
+"""The control plane's message kinds: every frame between a rank's engine and the coordinator
+(rank 0) is a tuple whose first item is one of these.
+
+    rank                                          coordinator
+     |-- HELLO {rank,size,hostname,pid,...} -------->|     once, at init()
+     |<------------------------ TOPOLOGY {...} / FATAL|
+     |-- QUERY [Request...], [(set_id, bits)...] --->|     new requests, or cache-bit masks
+     |<-------------------- RESPONSES [item, ...] ---|     items tagged with `Item`, in order
+     |-- FAILED message / SHUTDOWN ----------------->|
+     |<------------------------------- FATAL message |     every pending handle fails
+
+The payloads are `messages.Request` and `messages.Response`. Members are `str` values, so a
+member compares equal to its one- or two-letter tag (a peer that sends the bare tag is
+understood).
+"""
+from __future__ import annotations
+
+import enum
+
+
+class _Tag(str, enum.Enum):
+    def __str__(self) -> str:
+        return self.value
+
+
+class Msg(_Tag):
+    """First item of every control frame."""
+
+    HELLO = "H"          # rank -> coordinator: ("H", {rank, size, hostname, pid, dynamic,
+    #                      process_sets}) joins the job
+    TOPOLOGY = "T"       # coordinator -> rank: ("T", {local/cross rank and size, set ids, ...})
+    QUERY = "Q"          # rank -> coordinator: ("Q", [Request, ...], [(set_id, bit mask), ...])
+    RESPONSES = "R"      # coordinator -> rank: ("R", [item, ...]), items tagged by `Item`
+    SHUTDOWN = "S"       # rank -> coordinator: ("S",) this rank leaves cleanly
+    FAILED = "X"         # rank -> coordinator: ("X", message) a collective failed on this rank
+    FATAL = "F"          # coordinator -> rank: ("F", message) the job failed; fail everything
+    TIMELINE = "TL"      # rank -> coordinator: ("TL", *args) timeline control on rank 0
+
+
+class Item(_Tag):
+    """Items of a RESPONSES frame, applied in order."""
+
+    RESPONSE = "R"       # ("R", Response): run it (or fail its handles, type ERROR)
+    CACHED = "C"         # ("C", set_id, bits, joined): run the cached responses of these bits
+    EVICT = "E"          # ("E", set_id, bits): forget these cache bits
+    RESEND = "B"         # ("B", set_id, bits): the coordinator forgot these bits; send the
+    #                      requests in full
+    CYCLE_TIME = "P"     # ("P", ms): autotune's new cycle time
+
+
+__all__ = ["Msg", "Item"]
