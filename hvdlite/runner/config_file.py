@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import yaml
-
 # section -> {key in file: dest in the parsed args}
 _SECTIONS: dict[str, dict[str, str]] = {
     "params": {
@@ -62,6 +60,8 @@ def load_config(path: str) -> dict[str, Any]:
             text = f.read()
     except OSError as e:
         raise ConfigError(f"config file {path}: {e.strerror}") from None
+    import yaml  # here: only --config-file needs it, and every hvdlite-run start would pay
+
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
