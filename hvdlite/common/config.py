@@ -131,7 +131,23 @@ VARIABLES: tuple[Var, ...] = (
        "launcher"),
     _v("REMOTE_PYTHON", "str", None, "Python to run on remote hosts (default: this one's path)",
        _L, "launcher"),
+    # diagnosis (flight recorder, stragglers) and control-plane limits
+    _v("STRAGGLER_REPORT", "float", None, "seconds between straggler reports "
+       "(`hvdlite-run --straggler-report SECONDS`)", group="stall"),
+    _v("FLIGHT_DIR", "str", None, "where ranks write their flight-recorder dumps "
+       "(set by hvdlite-run)", _L, "stall"),
+    _v("FLIGHT_RECORDER_SIZE", "int", 64, "collectives each rank remembers; 0 turns the "
+       "recorder off", _L, "stall"),
+    _v("MAX_FRAME_BYTES", "int", 64 << 20, "the largest control frame accepted", _L, "identity"),
+    _v("SECRET_FILE", "str", None, "a file holding the job secret, read when HVDLITE_SECRET "
+       "is unset", _L, "identity"),
     # add-ons, tests, set-up
+    _v("ZERO_BUCKET_BYTES", "int", None, "ZeRO: bytes per reduce-scatter/allgather bucket", _L,
+       "other"),
+    _v("TF_PACE_BACKPROP", "str", None, "TensorFlow: pacing of gradient collectives during "
+       "backprop", _L, "other"),
+    _v("REQUIRE_RAY", "bool", False, "tests: missing Ray fails the Ray tests instead of "
+       "skipping them", _L, "other"),
     _v("P2P_INLINE_BYTES", "int", None, "pipeline point-to-point: messages up to this size "
        "travel inline with their header", _L, "other"),
     _v("REQUIRE_SSHD", "bool", False, "tests: a missing sshd fails the multi-host tests "
