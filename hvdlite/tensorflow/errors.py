@@ -10,9 +10,10 @@ arguments `InvalidArgumentError`. hvdlite runs its collectives in Python (eagerl
   so `except tf.errors.FailedPreconditionError` and `except hvd.HorovodInternalError` both work;
 - in a graph, `tf.py_function` already turns ValueError/TypeError into InvalidArgumentError,
   but turns every other exception into UnknownError. A mismatch is therefore not raised inside
-  the node: the node returns a failure flag, and an op that fails with FailedPreconditionError
-  runs when the flag is set. The full message is logged on every rank (the TF error names the
-  collective and points to it) and is kept for `last_error()`.
+  the node: the node returns one more output, a resource handle, and the collective's outputs
+  are made to depend on reading it. After a mismatch the handle names a variable that does not
+  exist, called after the message, so the read raises FailedPreconditionError carrying it. The
+  message is also logged on every rank and kept for `last_error()`.
 """
 from __future__ import annotations
 
