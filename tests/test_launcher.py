@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from hvdlite.runner import run
-from hvdlite.runner.config_file import ConfigError, parse_yaml_subset
+from hvdlite.runner.config_file import ConfigError, load_config
 from hvdlite.runner.hosts import (HostError, HostSpec, assign_slots, is_local_host,
                                   parse_hostfile, parse_hosts)
 from hvdlite.runner.launch import parse_args
@@ -80,20 +80,19 @@ def test_every_horovodrun_flag_parses(tmp_path):
         "--network-interface", "eth0", "--start-timeout", "40", "--disable-cache",
         "--output-filename", "/tmp/out", "--verbose", "--fusion-threshold-mb", "32",
         "--cycle-time-ms", "2", "--cache-capacity", "10", "--no-hierarchical-allreduce",
-        "--hierarchical-allgather", "--torus-allreduce", "--autotune", "--autotune-log-file",
+        "--no-hierarchical-allgather", "--no-torus-allreduce", "--autotune", "--autotune-log-file",
         "/tmp/a.csv", "--autotune-warmup-samples", "1", "--autotune-steps-per-sample", "2",
         "--autotune-bayes-opt-max-samples", "3", "--autotune-gaussian-process-noise", "0.1",
         "--slots-per-host", "2", "--elastic-timeout", "60", "--reset-limit", "3",
         "--blacklist-cooldown-range", "10", "100", "--timeline-filename", "/tmp/t.json",
         "--no-timeline-mark-cycles", "--no-stall-check", "--stall-check-warning-time-seconds", "5",
         "--stall-check-shutdown-time-seconds", "10", "--no-mpi-threads-disable", "--mpi-args=-x A",
-        "--tcp", "--binding-args=--bind-to none", "--num-nccl-streams", "2",
-        "--thread-affinity", "0,1", "--gloo-timeout-seconds", "20", "--log-level", "debug",
+        "--tcp", "--num-nccl-streams", "1", "--gloo-timeout-seconds", "20", "--log-level", "debug",
         "--log-without-timestamp", "-prefix-timestamp", "python", "train.py", "--lr", "0.1"])
     assert args.command == ["python", "train.py", "--lr", "0.1"]
     assert args.nics == ["eth0", "eth1", "eth2"]
     assert args.cooldown_range == [10, 100] and args.log_level == "DEBUG"
-    assert args.hierarchical_allreduce is False and args.hierarchical_allgather is True
+    assert args.hierarchical_allreduce is False and args.hierarchical_allgather is False
     assert args.host_list == [HostSpec("localhost", 4)] and not args.elastic
     elastic = parse_args(["--min-np", "1", "--max-np", "4", "--host-discovery-script", "d.sh",
                           "--jsrun", "python", "x.py"])
@@ -130,16 +129,37 @@ def test_hosts_parsing_and_placement(tmp_path):
 
 
 @pytest.mark.timeout(30)
-def test_yaml_subset():
-    text = ("# comment\ncontroller: gloo\nparams:\n  fusion_threshold_mb: 32  # MB\n"
-            "  hierarchical_allreduce: false\ntimeline:\n  filename: '/tmp/a #1.json'\n")
-    assert parse_yaml_subset(text) == {
-        "controller": "gloo",
-        "params": {"fusion_threshold_mb": 32, "hierarchical_allreduce": False},
-        "timeline": {"filename": "/tmp/a #1.json"}}
-    for bad in ("a:\n  - 1\n", "a: 1\n   b: 2\n", "a: [1, 2]\n", "just text\n"):
-        with pytest.raises(ConfigError):
-            parse_yaml_subset(bad)
+def test_yaml_config_with_anchors_and_lists(tmp_path):
+    """Full YAML through PyYAML: anchors, aliases, merge keys, flow style and lists."""
+    cfg = tmp_path / "hvd.yaml"
+    cfg.write_text(
+        "x-defaults: &tuning   # ignored section that holds anchors\n"
+        "  fusion_threshold_mb: 32\n"
+        "  cycle_time_ms: &cycle 2.5\n"
+        "x-hosts: [node1, node2]\n"
+        "controller: gloo\n"
+        "params:\n"
+        "  <<: *tuning\n"
+        "  cache_capacity: 64\n"
+        "autotune: {enabled: false, warmup_samples: 4}\n"
+        "timeline:\n"
+        "  filename: '/tmp/a #1.json'\n")
+    data = load_config(str(cfg))
+    assert data["x-hosts"] == ["node1", "node2"]
+    assert data["params"] == {"fusion_threshold_mb": 32, "cycle_time_ms": 2.5,
+                              "cache_capacity": 64}
+    args = parse_args(["-np", "1", "--cache-capacity", "8", "--config-file", str(cfg), "true"])
+    assert (args.fusion_threshold_mb, args.cycle_time_ms, args.cache_capacity) == (32, 2.5, 8)
+    assert args.autotune is False and args.autotune_warmup_samples == 4
+    assert args.timeline_filename == "/tmp/a #1.json" and args.use_gloo
+    cfg.write_text("params:\n  fusion_threshold_mb:\n    - 1\n    - 2\n")
+    out = launch("-np", "1", "--config-file", cfg, "true", timeout=20)
+    assert out.returncode == 2
+    assert "argument --fusion-threshold-mb: expected an integer, got [1, 2]" in out.stderr
+    for bad in ("a: [1, 2\n", "params: *missing\n"):
+        cfg.write_text(bad)
+        with pytest.raises(ConfigError, match=re.escape(str(cfg))):
+            load_config(str(cfg))
 
 
 # --------------------------------------------------------------------------- CLI, no ranks
@@ -162,6 +182,10 @@ def test_check_build():
         assert section in out.stdout
     assert "[X] PyTorch" in out.stdout and "[X] Gloo" in out.stdout
     assert re.search(r"\[[ X]\] TensorFlow", out.stdout) and re.search(r"\[[ X]\] NCCL", out.stdout)
+    import torch  # the test may import it; the launcher reads versions from package metadata
+    assert re.search(rf"PyTorch: +torch {re.escape(torch.__version__)}\n", out.stdout), out.stdout
+    for name in ("TensorFlow", "MPI", "NCCL"):
+        assert re.search(rf"\n    {name}: +\S", out.stdout), out.stdout
 
 
 @pytest.mark.timeout(60)
@@ -199,6 +223,33 @@ def test_usage_errors(args, message):
 def test_not_available_yet(args, message):
     out = launch(*args.split(), timeout=20)
     assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args, message", [
+    ("--hierarchical-allgather", "argument --hierarchical-allgather: not supported by hvdlite"),
+    ("--torus-allreduce", "argument --torus-allreduce: not supported by hvdlite; use "
+                          "--hierarchical-allreduce"),
+    ("--num-nccl-streams 2", "argument --num-nccl-streams: not supported by hvdlite"),
+    ("--thread-affinity 0,1", "argument --thread-affinity: not supported by hvdlite"),
+    ("--binding-args=-bind-to=core", "argument --binding-args: only applies to --mpi"),
+])
+def test_refused_flags(args, message):
+    """horovodrun flags for parts hvdlite lacks are refused with one line, never ignored."""
+    out = launch("-np", "1", *args.split(), "true", timeout=20)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert errors == [f"hvdlite-run: error: {message}"] or \
+        (len(errors) == 1 and message in errors[0]), out.stderr
+
+
+@pytest.mark.timeout(30)
+def test_refused_flag_from_config_file(tmp_path):
+    cfg = tmp_path / "hvd.yaml"
+    cfg.write_text("params:\n  torus_allreduce: true\n")
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["-np", "1", "--config-file", str(cfg), "true"])
+    assert exc.value.code == 2
 
 
 @pytest.mark.timeout(30)
@@ -282,25 +333,25 @@ def test_tuning_flags_become_env():
     out = launch(
         "-np", "1", "--fusion-threshold-mb", "32", "--cycle-time-ms", "2.5",
         "--cache-capacity", "512", "--hierarchical-allreduce", "--no-hierarchical-allgather",
-        "--torus-allreduce", "--autotune", "--autotune-log-file", "/tmp/at.csv",
+        "--no-torus-allreduce", "--autotune", "--autotune-log-file", "/tmp/at.csv",
         "--autotune-warmup-samples", "4", "--autotune-steps-per-sample", "11",
         "--autotune-bayes-opt-max-samples", "21", "--autotune-gaussian-process-noise", "0.5",
         "--timeline-filename", "/tmp/tl.json", "--timeline-mark-cycles", "--no-stall-check",
         "--stall-check-warning-time-seconds", "7", "--stall-check-shutdown-time-seconds", "9",
-        "--mpi-threads-disable", "--num-nccl-streams", "2", "--thread-affinity", "0,1",
+        "--mpi-threads-disable", "--num-nccl-streams", "1",
         "--gloo-timeout-seconds", "45", "--tcp", "--log-level", "debug", "--log-without-timestamp",
         PY, SCRIPTS / "env_dump.py")
     assert out.returncode == 0, out.stderr
     env = env_reports(out.stdout)[0]
     expected = {
         "FUSION_THRESHOLD": "33554432", "CYCLE_TIME": "2.5", "CACHE_CAPACITY": "512",
-        "HIERARCHICAL_ALLREDUCE": "1", "HIERARCHICAL_ALLGATHER": "0", "TORUS_ALLREDUCE": "1",
+        "HIERARCHICAL_ALLREDUCE": "1", "HIERARCHICAL_ALLGATHER": "0", "TORUS_ALLREDUCE": "0",
         "AUTOTUNE": "1", "AUTOTUNE_LOG": "/tmp/at.csv", "AUTOTUNE_WARMUP_SAMPLES": "4",
         "AUTOTUNE_STEPS_PER_SAMPLE": "11", "AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "21",
         "AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.5", "TIMELINE": "/tmp/tl.json",
         "TIMELINE_MARK_CYCLES": "1", "STALL_CHECK_DISABLE": "1", "STALL_CHECK_TIME_SECONDS": "7",
-        "STALL_SHUTDOWN_TIME_SECONDS": "9", "MPI_THREADS_DISABLE": "1", "NUM_NCCL_STREAMS": "2",
-        "THREAD_AFFINITY": "0,1", "GLOO_TIMEOUT_SECONDS": "45", "LOG_LEVEL": "DEBUG",
+        "STALL_SHUTDOWN_TIME_SECONDS": "9", "MPI_THREADS_DISABLE": "1", "NUM_NCCL_STREAMS": "1",
+        "GLOO_TIMEOUT_SECONDS": "45", "LOG_LEVEL": "DEBUG",
         "LOG_HIDE_TIME": "1",
     }
     for name, value in expected.items():
@@ -461,3 +512,31 @@ def test_run_rejects_bad_arguments():
         run(print, min_num_proc=4, max_num_proc=2)
     with pytest.raises(ValueError, match="use_mpi is not available yet"):
         run(print, num_proc=1, use_mpi=True)
+
+
+@pytest.mark.timeout(90)
+def test_progress_bar_updates_are_forwarded_live(tmp_path):
+    """tqdm-style `\\r` updates reach the launcher's stdout while the rank still runs, each with
+    the rank prefix, instead of being held back until the bar's final newline."""
+    proc = subprocess.Popen([HVDLITE_RUN, "-np", "1", PY, SCRIPTS / "progress_bar.py", tmp_path],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_clean_env())
+    seen = b""
+    try:
+        for i in range(3):
+            want = f"[0]<stdout>:progress {i}/3\r".encode()
+            deadline = time.monotonic() + 30
+            while want not in seen:
+                assert time.monotonic() < deadline, f"update {i} not forwarded live: {seen!r}"
+                chunk = os.read(proc.stdout.fileno(), 4096)
+                assert chunk, f"launcher closed stdout early: {seen!r}"
+                seen += chunk
+            assert proc.poll() is None  # the rank is still waiting for this acknowledgement
+            (tmp_path / f"ack{i}").write_text("")
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    seen += out
+    assert proc.returncode == 0, err
+    assert seen.endswith(b"[0]<stdout>:progress 3/3\n"), seen

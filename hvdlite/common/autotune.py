@@ -38,7 +38,7 @@ import numpy as np
 from .messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER,
                        Response)
 
-log = logging.getLogger("hvdlite")
+log = logging.getLogger(__name__)
 
 FUSION_MB_BOUNDS = (0.0, 64.0)
 CYCLE_MS_BOUNDS = (1.0, 100.0)

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Optional
 
-from . import flight_recorder, naming, rendezvous
+from . import config, flight_recorder, hierarchical, logs, naming, rendezvous
 from .backends import mpi as mpi_backend
 from .backends import nccl as nccl_backend
 from .backends import select
@@ -28,7 +28,7 @@ from .rendezvous import client_handshake
 from .timeline import Timeline
 from .wire import ProtocolError
 
-log = logging.getLogger("hvdlite")
+log = logging.getLogger(__name__)
 
 NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
 
@@ -52,15 +52,6 @@ _state: _State | None = None
 _lock = threading.RLock()
 _generation = 0
 _atexit_registered = False
-
-
-def _setup_logging(level: str) -> None:
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[hvdlite %(levelname)s] %(message)s"))
-        log.addHandler(handler)
-        log.propagate = False
-    log.setLevel({"TRACE": "DEBUG", "FATAL": "CRITICAL"}.get(level, level))
 
 
 def _connect(host: str, port: int, deadline: float) -> socket.socket:
@@ -89,7 +80,9 @@ def init(comm=None, process_sets=None) -> None:
         if _state is not None:
             return
         settings = Settings.from_env()
-        _setup_logging(settings.log_level)
+        logs.setup()  # HOROVOD_LOG_LEVEL / _HIDE_TIME, HVDLITE_LOG_FORMAT; propagates
+        if not config.raw("HVDLITE_ENV_CHECKED"):  # hvdlite-run checked the names already
+            config.warn_misspelled(log.warning)
         dynamic = settings.dynamic_process_sets
         static: list[ProcessSet] = []
         if process_sets == "dynamic":
@@ -123,6 +116,7 @@ def _init_once(comm, settings: Settings, dynamic: bool, static: list,
     global _generation
     world = select.mpi_world(transport, comm)
     ident = mpi_backend.identity(world) if world is not None else rendezvous.identify()
+    logs.set_rank(ident.rank)
     if ident.size > 1 or ident.store_host is not None:
         for ps in static:
             bad = [r for r in ps.ranks if not 0 <= r < ident.size]
@@ -218,6 +212,8 @@ def _join(state: "_State", ident, world, settings: Settings, dynamic: bool, stat
 
     factory = select.comm_factory(transport, store=store, prefix=prefix, world=world,
                                   rank=ident.rank, timeout_s=settings.gloo_timeout_s)
+    if settings.hierarchical_allreduce:  # the one hook: the global set's CPU communicator
+        factory = hierarchical.wrap_factory(factory, ident.rank, topo["hosts"], ident.size)
     state.engine = Engine(rank=ident.rank, size=ident.size, settings=settings,
                           channel=channel, comm_factory=factory, set_ranks=set_ranks,
                           timeline=timeline, peer_listener=peer_listener, key=key,

@@ -1,16 +1,230 @@
-"""Settings from the environment: every `HVDLITE_X` also answers to Horovod's `HOROVOD_X`.
+"""Every environment variable hvdlite reads, declared once, and the settings read from them.
 
-The `HVDLITE_*` name wins when both are set, so a job can override an inherited Horovod setting.
+`VARIABLES` is the registry: name, type, default and meaning of each `HVDLITE_*`/`HOROVOD_*`
+variable (and the README's table is generated from it: `python -m hvdlite.common.config`). Code
+reads through `env`/`env_int`/`env_float`/`env_bool` (a knob answering to both `HVDLITE_X` and
+Horovod's `HOROVOD_X`; the `HVDLITE_*` name wins when both are set) or `raw` (one exact name).
+A set `HVDLITE_*` variable that is not declared but close to one that is draws one warning at
+start-up (`warn_misspelled`). This module imports nothing but the standard library, so the
+launcher can use it.
 """
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+BOTH = ("HVDLITE_", "HOROVOD_")
+
+
+@dataclass(frozen=True)
+class Var:
+    """One declared variable. `name` is the suffix after the prefixes it answers to."""
+
+    name: str
+    type: str                       # "int", "float", "bool", "str"
+    default: Any
+    doc: str
+    prefixes: tuple[str, ...] = BOTH
+    group: str = "tuning"
+
+    @property
+    def full_names(self) -> tuple[str, ...]:
+        return tuple(p + self.name for p in self.prefixes)
+
+
+def _v(name: str, type_: str, default: Any, doc: str, prefixes: tuple[str, ...] = BOTH,
+       group: str = "tuning") -> Var:
+    return Var(name, type_, default, doc, prefixes, group)
+
+
+_H, _L = ("HOROVOD_",), ("HVDLITE_",)
+VARIABLES: tuple[Var, ...] = (
+    # engine tuning
+    _v("FUSION_THRESHOLD", "int", 128 * 1024 * 1024,
+       "bytes per fused transport call; 0 disables fusion"),
+    _v("CYCLE_TIME", "float", 1.0, "ms between two negotiation sends of one rank"),
+    _v("CACHE_CAPACITY", "int", 1024, "response cache entries; 0 disables the cache"),
+    _v("STEADY_STATE", "bool", True, "0 keeps every cycle on the coordinator in rank 0 (no "
+       "decentralised steady state)"),
+    _v("MPI_WAIT", "str", "auto", "`spin`, `yield` or `auto`: how MPI waits use the core; auto "
+       "yields when a host runs more ranks than cores"),
+    _v("DISABLE_GROUP_FUSION", "bool", False, "grouped tensors fuse only with their own group"),
+    _v("HIERARCHICAL_ALLREDUCE", "bool", False,
+       "reduce within each host, allreduce across hosts, broadcast within each host"),
+    _v("HIERARCHICAL_ALLGATHER", "bool", False,
+       "not supported (allgather is flat); hvdlite-run refuses the flag"),
+    _v("TORUS_ALLREDUCE", "bool", False, "not supported; hvdlite-run refuses the flag"),
+    _v("DYNAMIC_PROCESS_SETS", "bool", False, 'same as `init(process_sets="dynamic")`'),
+    _v("CPU_OPERATIONS", "str", None, "`gloo` or `mpi`: the CPU transport (default: gloo, "
+       "MPI under mpirun)"),
+    _v("CONTROLLER", "str", None, "accepted for compatibility; negotiation always uses "
+       "hvdlite's control channel"),
+    _v("MPI_THREADS_DISABLE", "bool", False, "do not request MPI_THREAD_MULTIPLE"),
+    _v("NUM_NCCL_STREAMS", "int", 1, "NCCL streams; hvdlite uses one"),
+    _v("THREAD_AFFINITY", "str", None, "not supported; hvdlite-run refuses the flag"),
+    _v("CCL_BGT_AFFINITY", "int", None, "accepted for compatibility (oneCCL only)"),
+    _v("GLOO_TIMEOUT_SECONDS", "float", 30.0, "gloo transport timeout"),
+    _v("GLOO_IFACE", "str", None, "network interface for gloo (`--network-interfaces`)"),
+    _v("START_TIMEOUT", "float", 30.0, "seconds for all ranks to connect at `init()`"),
+    _v("SHUTDOWN_GRACE_SECONDS", "float", 10.0,
+       "how long rank 0 keeps coordinating others after its own shutdown()"),
+    # stall inspector and timeline
+    _v("STALL_CHECK_DISABLE", "bool", False, "1 turns the stall inspector off", group="stall"),
+    _v("STALL_CHECK_TIME_SECONDS", "float", 60.0, "warn about tensors waiting this long",
+       group="stall"),
+    _v("STALL_SHUTDOWN_TIME_SECONDS", "float", 600.0,
+       "fail the job after this long (0: never, Horovod's default)", group="stall"),
+    _v("TIMELINE", "str", None, "write a Chrome trace here (rank 0); `DYNAMIC` to use "
+       "`start_timeline()` only", group="stall"),
+    _v("TIMELINE_MARK_CYCLES", "bool", False, "mark each negotiation send", group="stall"),
+    # logging
+    _v("LOG_LEVEL", "str", "WARNING", "TRACE, DEBUG, INFO, WARNING, ERROR, FATAL",
+       group="logging"),
+    _v("LOG_HIDE_TIME", "bool", False, "1 drops the time from hvdlite's log records "
+       "(`--log-without-timestamp`)", group="logging"),
+    _v("LOG_FORMAT", "str", "text", "`json`: one JSON object per log record and line",
+       group="logging"),
+    # autotune
+    _v("AUTOTUNE", "bool", False, "1 tunes the fusion threshold and cycle time while training",
+       group="autotune"),
+    _v("AUTOTUNE_LOG", "str", None, "CSV log of every autotune trial", group="autotune"),
+    _v("AUTOTUNE_WARMUP_SAMPLES", "int", 3, "scores discarded before tuning starts",
+       group="autotune"),
+    _v("AUTOTUNE_STEPS_PER_SAMPLE", "int", 10, "steps per sample (5 samples make one score)",
+       group="autotune"),
+    _v("AUTOTUNE_BAYES_OPT_MAX_SAMPLES", "int", 20,
+       "scored trials before the best parameters are kept", group="autotune"),
+    _v("AUTOTUNE_GAUSSIAN_PROCESS_NOISE", "float", 0.8,
+       "observation noise of the Gaussian process", group="autotune"),
+    # a rank's identity, set by hvdlite-run
+    *(_v(n, "int" if n != "HOSTNAME" else "str", None, f"a rank's {d} (set by hvdlite-run)",
+         group="identity")
+      for n, d in (("RANK", "rank"), ("SIZE", "job size"), ("LOCAL_RANK", "rank on its host"),
+                   ("LOCAL_SIZE", "ranks on its host"), ("CROSS_RANK", "host index"),
+                   ("CROSS_SIZE", "number of hosts with its local rank"),
+                   ("HOSTNAME", "host name"))),
+    _v("GLOO_RENDEZVOUS_ADDR", "str", None, "the job's c10d store (Horovod's); without the "
+       "launcher rank 0 serves it there", _H, "identity"),
+    _v("GLOO_RENDEZVOUS_PORT", "int", None, "port of the job's c10d store (Horovod's)", _H,
+       "identity"),
+    _v("STORE_ADDR", "str", None, "the job's c10d store (set by hvdlite-run)", _L, "identity"),
+    _v("STORE_PORT", "int", None, "port of the job's c10d store (set by hvdlite-run)", _L,
+       "identity"),
+    _v("SECRET", "str", None, "per-job key that signs control messages (set by hvdlite-run, "
+       "never on a command line)", _L, "identity"),
+    _v("COORDINATOR_ADDR", "str", None, "address other ranks use to reach rank 0's "
+       "coordinator (default: found automatically)", _L, "identity"),
+    _v("JOB_GENERATION", "str", "0", "namespaces a job's store keys (set by hvdlite.runner.run)",
+       _L, "identity"),
+    _v("ENV_CHECKED", "bool", False, "set by hvdlite-run for its ranks: variable names were "
+       "checked once already", _L, "identity"),
+    # elastic
+    _v("ELASTIC", "bool", False, "the job is elastic (set by hvdlite-run)", group="elastic"),
+    _v("ELASTIC_WORKER", "str", None, "`<host>:<slot>` of an elastic worker (set by "
+       "hvdlite-run)", _L, "elastic"),
+    _v("ELASTIC_SPAWN", "str", None, "id of this spawn of an elastic slot (set by "
+       "hvdlite-run)", _L, "elastic"),
+    _v("DRIVER_ADDR", "str", None, "the elastic driver's control endpoint (set by hvdlite-run)",
+       _L, "elastic"),
+    _v("DRIVER_PORT", "int", None, "the elastic driver's control port (set by hvdlite-run)",
+       _L, "elastic"),
+    # launcher
+    _v("SSH_ARGS", "str", None, "extra ssh options, placed before hvdlite's own", _L,
+       "launcher"),
+    _v("REMOTE_PYTHON", "str", None, "Python to run on remote hosts (default: this one's path)",
+       _L, "launcher"),
+    # diagnosis (flight recorder, stragglers) and control-plane limits
+    _v("STRAGGLER_REPORT", "float", None, "seconds between straggler reports "
+       "(`hvdlite-run --straggler-report SECONDS`)", group="stall"),
+    _v("FLIGHT_DIR", "str", None, "where ranks write their flight-recorder dumps "
+       "(set by hvdlite-run)", _L, "stall"),
+    _v("FLIGHT_RECORDER_SIZE", "int", 64, "collectives each rank remembers; 0 turns the "
+       "recorder off", _L, "stall"),
+    _v("MAX_FRAME_BYTES", "int", 64 << 20, "the largest control frame accepted", _L, "identity"),
+    _v("SECRET_FILE", "str", None, "a file holding the job secret, read when HVDLITE_SECRET "
+       "is unset", _L, "identity"),
+    # add-ons, tests, set-up
+    _v("ZERO_BUCKET_BYTES", "int", None, "ZeRO: bytes per reduce-scatter/allgather bucket", _L,
+       "other"),
+    _v("TF_PACE_BACKPROP", "str", None, "TensorFlow: pacing of gradient collectives during "
+       "backprop", _L, "other"),
+    _v("REQUIRE_RAY", "bool", False, "tests: missing Ray fails the Ray tests instead of "
+       "skipping them", _L, "other"),
+    _v("P2P_INLINE_BYTES", "int", None, "pipeline point-to-point: messages up to this size "
+       "travel inline with their header", _L, "other"),
+    _v("REQUIRE_SSHD", "bool", False, "tests: a missing sshd fails the multi-host tests "
+       "instead of skipping them", _L, "other"),
+    _v("SKIP_TENSORFLOW", "bool", False, "scripts/setup.sh: leave TensorFlow out", _L, "other"),
+)
+
+_BY_FULL_NAME: dict[str, Var] = {full: v for v in VARIABLES for full in v.full_names}
+_BY_SUFFIX: dict[str, Var] = {v.name: v for v in VARIABLES if v.prefixes == BOTH}
+
+
+def declared(name: str) -> bool:
+    """True for a full variable name in the registry."""
+    return name in _BY_FULL_NAME
+
+
+def raw(name: str, default: Optional[str] = None,
+        environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The value of the declared variable `name` (a full name), as a string."""
+    if name not in _BY_FULL_NAME:
+        raise KeyError(f"{name} is not declared in hvdlite.common.config.VARIABLES")
+    value = (os.environ if environ is None else environ).get(name)
+    return default if value is None else value
+
+
+def misspelled(environ: Optional[Mapping[str, str]] = None) -> list[tuple[str, str]]:
+    """(set name, likely intended name) for each undeclared HVDLITE_* variable close to a
+    declared one."""
+    environ = os.environ if environ is None else environ
+    known = sorted(n for n in _BY_FULL_NAME if n.startswith("HVDLITE_"))
+    out = []
+    for name in sorted(environ):
+        if name.startswith("HVDLITE_") and name not in _BY_FULL_NAME:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+            if close:
+                out.append((name, close[0]))
+    return out
+
+
+_warned = False
+
+
+def warn_misspelled(emit: Callable[[str], None],
+                    environ: Optional[Mapping[str, str]] = None) -> int:
+    """Once per process: one warning line per likely misspelled HVDLITE_* variable."""
+    global _warned
+    if _warned:
+        return 0
+    _warned = True
+    found = misspelled(environ)
+    for name, close in found:
+        emit(f"{name} is not a variable hvdlite reads; did you mean {close}?")
+    return len(found)
+
+
+def markdown_table() -> str:
+    """The README's table of environment variables, generated from the registry."""
+    rows = ["| variable | type | default | meaning |", "|---|---|---|---|"]
+    for v in VARIABLES:
+        names = " / ".join(f"`{n}`" for n in v.full_names)
+        if v.default is None:
+            default = "unset"
+        elif v.type == "bool":
+            default = "1" if v.default else "0"
+        else:
+            default = str(v.default)
+        rows.append(f"| {names} | {v.type} | {default} | {v.doc} |")
+    return "\n".join(rows) + "\n"
 
 
 def env(name: str, default: str | None = None) -> str | None:
     """Value of HVDLITE_<name>, else HOROVOD_<name>, else default."""
-    for prefix in ("HVDLITE_", "HOROVOD_"):
+    for prefix in BOTH:
         value = os.environ.get(prefix + name)
         if value is not None and value != "":
             return value
@@ -66,6 +280,7 @@ class Settings:
     disable_group_fusion: bool = False
     log_level: str = "WARNING"
     dynamic_process_sets: bool = False
+    hierarchical_allreduce: bool = False   # hierarchical.py
     elastic: bool = False
     # How long rank 0 keeps coordinating other ranks after its own shutdown().
     shutdown_grace_s: float = 10.0
@@ -97,6 +312,7 @@ class Settings:
         s.disable_group_fusion = env_bool("DISABLE_GROUP_FUSION", False)
         s.log_level = (env("LOG_LEVEL") or s.log_level).upper()
         s.dynamic_process_sets = env_bool("DYNAMIC_PROCESS_SETS", False)
+        s.hierarchical_allreduce = env_bool("HIERARCHICAL_ALLREDUCE", False)
         s.elastic = env_bool("ELASTIC", False)
         s.shutdown_grace_s = env_float("SHUTDOWN_GRACE_SECONDS", s.shutdown_grace_s)
         s.autotune = env_bool("AUTOTUNE", False)
@@ -111,3 +327,7 @@ class Settings:
         s.fusion_threshold_fixed = env("FUSION_THRESHOLD") is not None
         s.cycle_time_fixed = env("CYCLE_TIME") is not None
         return s
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

@@ -37,7 +37,7 @@ from .stall import StallInspector
 from .steady import gone_message
 from .wire import Channel, ProtocolError
 
-log = logging.getLogger("hvdlite")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -23,7 +23,6 @@ How a reset works, and how it differs from Horovod:
 from __future__ import annotations
 
 import copy
-import enum
 import functools
 import logging
 import queue
@@ -31,8 +30,9 @@ from typing import Any, Callable, Iterable, Optional
 
 from . import basics, rendezvous
 from .exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from .host_updates import HostUpdateResult  # noqa: F401  (public here, as in Horovod)
 
-log = logging.getLogger("hvdlite")
+log = logging.getLogger(__name__)
 
 __all__ = ["State", "ObjectState", "HostUpdateResult", "run_fn", "broadcast_object",
            "is_elastic", "HorovodInternalError", "HostsUpdatedInterrupt"]
@@ -40,15 +40,6 @@ __all__ = ["State", "ObjectState", "HostUpdateResult", "run_fn", "broadcast_obje
 # Collective names used by the runtime; fixed, so that survivors and new workers agree.
 _AGREE_NAME = "hvdlite.elastic.reset_agreement"
 _HOSTS_NAME = "hvdlite.elastic.host_updates"
-
-
-class HostUpdateResult(enum.IntFlag):
-    """What changed in a host update (Horovod's values)."""
-
-    no_update = 0
-    removed = 1
-    added = 2
-    mixed = 3
 
 
 def is_elastic() -> bool:

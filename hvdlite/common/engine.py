@@ -37,7 +37,7 @@ from .response_cache import RankCache
 from .steady import STEADY_MSG, SteadySet, build_responses, gone_message
 from .wire import Channel, ProtocolError
 
-log = logging.getLogger("hvdlite")
+log = logging.getLogger(__name__)
 
 SHUT_DOWN_MESSAGE = ("Horovod has been shut down. This was caused by an exception on one of the "
                      "ranks or an attempt to allreduce, allgather or broadcast a tensor after one "

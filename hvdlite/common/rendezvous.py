@@ -31,12 +31,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-import torch.distributed as dist
-
+from . import config
 from .exceptions import HorovodInternalError
 from .wire import Channel, ProtocolError
 
-log = logging.getLogger("hvdlite")
+log = logging.getLogger(__name__)
 
 # Set by hvdlite-run for elastic workers.
 ELASTIC_WORKER_ENV = "HVDLITE_ELASTIC_WORKER"    # "<host>:<slot>", stable for the process
@@ -59,7 +58,7 @@ class Identity:
 
 
 def _int(name: str) -> int | None:
-    value = os.environ.get(name)
+    value = config.raw(name) if config.declared(name) else os.environ.get(name)
     if value is None or value == "":
         return None
     try:
@@ -69,14 +68,14 @@ def _int(name: str) -> int | None:
 
 
 def identify() -> Identity:
-    hostname = (os.environ.get("HVDLITE_HOSTNAME") or os.environ.get("HOROVOD_HOSTNAME")
+    hostname = (config.raw("HVDLITE_HOSTNAME") or config.raw("HOROVOD_HOSTNAME")
                 or socket.gethostname())
     if is_elastic_worker():
         return _identify_elastic(hostname)
     rank = _int("HVDLITE_RANK")
     if rank is not None:
         size = _int("HVDLITE_SIZE")
-        host = os.environ.get("HVDLITE_STORE_ADDR")
+        host = config.raw("HVDLITE_STORE_ADDR")
         port = _int("HVDLITE_STORE_PORT")
         if size is None or host is None or port is None:
             raise ValueError("HVDLITE_RANK is set but HVDLITE_SIZE, HVDLITE_STORE_ADDR or "
@@ -87,7 +86,7 @@ def identify() -> Identity:
         size = _int("HOROVOD_SIZE")
         if size is None:
             raise ValueError("HOROVOD_RANK is set but HOROVOD_SIZE is not.")
-        host = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+        host = config.raw("HOROVOD_GLOO_RENDEZVOUS_ADDR")
         port = _int("HOROVOD_GLOO_RENDEZVOUS_PORT")
         if size > 1 and (host is None or port is None):
             raise ValueError("HOROVOD_RANK/HOROVOD_SIZE are set but HOROVOD_GLOO_RENDEZVOUS_ADDR/"
@@ -112,7 +111,7 @@ def store_prefix(ident: Identity, generation: int) -> str:
     driver, so a worker that joins in round 3 uses the same keys as the survivors."""
     if ident.round is not None:
         return f"hvdlite/elastic/{ident.round}/"
-    return f"hvdlite/{os.environ.get('HVDLITE_JOB_GENERATION', '0')}/{generation}/"
+    return f"hvdlite/{config.raw('HVDLITE_JOB_GENERATION', '0')}/{generation}/"
 
 
 _stores: dict[tuple, object] = {}
@@ -120,6 +119,8 @@ _stores: dict[tuple, object] = {}
 
 def connect_store(ident: Identity, timeout_s: float):
     """The job's store; kept for the life of the process so shutdown()/init() can reuse it."""
+    import torch.distributed as dist  # here, not at the top: hvdlite-run imports this module
+
     if ident.store_host is None:
         return dist.HashStore()
     key = (ident.store_host, ident.store_port, ident.store_is_master)
@@ -144,7 +145,7 @@ def connect_store(ident: Identity, timeout_s: float):
 
 def advertised_host(ident: Identity) -> str:
     """The address other ranks should use to reach this host's sockets."""
-    explicit = os.environ.get("HVDLITE_COORDINATOR_ADDR")
+    explicit = config.raw("HVDLITE_COORDINATOR_ADDR")
     if explicit:
         return explicit
     if ident.store_host is None:
@@ -254,15 +255,15 @@ def client_handshake(sock: socket.socket, key: bytes, hello: Any, timeout: float
 
 # ---------------------------------------------------------------------- elastic workers
 def is_elastic_worker() -> bool:
-    return bool(os.environ.get(ELASTIC_WORKER_ENV))
+    return bool(config.raw(ELASTIC_WORKER_ENV))
 
 
 def job_secret() -> bytes | None:
     """The job secret from HVDLITE_SECRET (hex or text), or from the file HVDLITE_SECRET_FILE
     names; None when neither is set. hvdlite-run always sets HVDLITE_SECRET; under torchrun or
     Horovod's variables the user may set either on every rank."""
-    secret = os.environ.get("HVDLITE_SECRET", "")
-    path = os.environ.get("HVDLITE_SECRET_FILE", "")
+    secret = config.raw("HVDLITE_SECRET", "")
+    path = config.raw("HVDLITE_SECRET_FILE", "")
     if not secret and path:
         try:
             with open(path, "rb") as f:
@@ -302,7 +303,7 @@ class DriverLink:
         self.suspects: list[int] = []          # hung ranks to report with the next join
         try:
             sock = socket.create_connection((addr, port), timeout=timeout_s)
-            hello = ("HELLO", worker_id, os.environ.get(ELASTIC_SPAWN_ENV, ""), os.getpid(),
+            hello = ("HELLO", worker_id, config.raw(ELASTIC_SPAWN_ENV, ""), os.getpid(),
                      socket.gethostname())
             self.channel = client_handshake(sock, _job_secret(), hello, timeout_s)
         except (OSError, ProtocolError) as exc:
@@ -414,14 +415,14 @@ def driver_link() -> Optional[DriverLink]:
         return None
     with _link_lock:
         if _link is None:
-            addr = os.environ.get(DRIVER_ADDR_ENV)
+            addr = config.raw(DRIVER_ADDR_ENV)
             port = _int(DRIVER_PORT_ENV)
             if not addr or port is None:
                 raise ValueError(f"{ELASTIC_WORKER_ENV} is set but {DRIVER_ADDR_ENV}/"
                                  f"{DRIVER_PORT_ENV} are not; start elastic jobs with "
                                  f"hvdlite-run.")
-            timeout = float(os.environ.get("HVDLITE_START_TIMEOUT") or 30)
-            _link = DriverLink(addr, port, os.environ[ELASTIC_WORKER_ENV], timeout)
+            timeout = float(config.raw("HVDLITE_START_TIMEOUT") or 30)
+            _link = DriverLink(addr, port, config.raw(ELASTIC_WORKER_ENV), timeout)
         return _link
 
 
@@ -431,7 +432,7 @@ _COORDINATES = (("RANK", "rank"), ("SIZE", "size"), ("LOCAL_RANK", "local_rank")
 
 
 def _identify_elastic(hostname: str) -> Identity:
-    worker_id = os.environ[ELASTIC_WORKER_ENV]
+    worker_id = config.raw(ELASTIC_WORKER_ENV)
     link = driver_link()
     try:
         a = link.join()
@@ -441,7 +442,7 @@ def _identify_elastic(hostname: str) -> Identity:
     # Horovod-era code reads its coordinates from the environment: keep it current.
     for env_name, key in _COORDINATES:
         os.environ[f"HVDLITE_{env_name}"] = os.environ[f"HOROVOD_{env_name}"] = str(a[key])
-    host = os.environ.get("HVDLITE_STORE_ADDR")
+    host = config.raw("HVDLITE_STORE_ADDR")
     port = _int("HVDLITE_STORE_PORT")
     if host is None or port is None:
         raise ValueError("elastic worker without HVDLITE_STORE_ADDR/HVDLITE_STORE_PORT; start "

@@ -7,7 +7,7 @@ import logging
 
 from .config import Settings
 
-log = logging.getLogger("hvdlite")
+log = logging.getLogger(__name__)
 _SHOW = 6
 
 

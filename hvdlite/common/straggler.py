@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import statistics
+
+from . import config  # noqa: E402
 import sys
 from typing import Iterable, Optional
 
@@ -20,7 +22,7 @@ _FLOOR_S = 0.0005   # below half a millisecond, times are noise: keep ratios mea
 
 
 def interval_from_env() -> float:
-    value = os.environ.get(ENV) or os.environ.get("HOROVOD_STRAGGLER_REPORT")
+    value = config.env("STRAGGLER_REPORT")
     try:
         return float(value) if value else 0.0
     except ValueError:

@@ -17,11 +17,13 @@ import socket
 import struct
 import threading
 
+from . import config
+
 _HEADER = struct.Struct("!IQ")       # payload length, sequence number
 _MAC_LEN = 32
 # No control message comes near this; a header announcing more is refused before the payload is
 # buffered, so a stranger cannot make a rank allocate gigabytes.
-MAX_FRAME = int(os.environ.get("HVDLITE_MAX_FRAME_BYTES") or (64 << 20))
+MAX_FRAME = int(config.raw("HVDLITE_MAX_FRAME_BYTES") or (64 << 20))
 
 
 class ProtocolError(ConnectionError):

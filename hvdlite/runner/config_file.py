@@ -1,12 +1,11 @@
-"""`--config-file`: horovodrun's YAML configuration, read without requiring PyYAML.
+"""`--config-file`: horovodrun's YAML configuration, read with PyYAML (`yaml.safe_load`).
 
-PyYAML is used when it is importable. Otherwise a small parser reads the subset that the config
-file needs (nested mappings by indentation, scalars, comments), and anything beyond it is a clear
-error rather than a silent misreading. Flags given on the command line win over the file.
+One parser, the same one Horovod uses, so a config that works on one machine works on every
+other. Flags given on the command line win over the file. Top-level keys starting with `x-` are
+ignored, so they can hold anchors that the sections below reuse (`<<: *defaults`).
 """
 from __future__ import annotations
 
-import re
 from typing import Any
 
 # section -> {key in file: dest in the parsed args}
@@ -54,103 +53,19 @@ class ConfigError(ValueError):
     """The config file cannot be read or holds something hvdlite-run does not understand."""
 
 
-def _scalar(text: str, where: str) -> Any:
-    text = text.strip()
-    if not text or text in ("~", "null", "Null", "NULL"):
-        return None
-    if text[0] in "\"'":
-        if len(text) < 2 or text[-1] != text[0]:
-            raise ConfigError(f"{where}: unterminated string {text!r}")
-        return text[1:-1]
-    if text[0] in "[{&*!|>":
-        raise ConfigError(f"{where}: unsupported YAML ({text!r}); install PyYAML for full YAML")
-    if text.lower() in ("true", "yes", "on"):
-        return True
-    if text.lower() in ("false", "no", "off"):
-        return False
-    if re.fullmatch(r"[-+]?\d+", text):
-        return int(text)
-    if re.fullmatch(r"[-+]?(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?", text):
-        return float(text)
-    return text
-
-
-def _strip_comment(line: str) -> str:
-    quote = None
-    for i, ch in enumerate(line):
-        if quote:
-            if ch == quote:
-                quote = None
-        elif ch in "\"'":
-            quote = ch
-        elif ch == "#" and (i == 0 or line[i - 1] in " \t"):
-            return line[:i]
-    return line
-
-
-def parse_yaml_subset(text: str, path: str = "<config>") -> dict[str, Any]:
-    """Nested `key: value` mappings by indentation; scalars are null/bool/int/float/str."""
-    lines: list[tuple[int, str, str | None, str]] = []  # indent, key, value text, where
-    for lineno, raw in enumerate(text.splitlines(), start=1):
-        where = f"config file {path} line {lineno}"
-        line = _strip_comment(raw).rstrip()
-        if not line.strip() or line.strip() in ("---", "..."):
-            continue
-        lead = line[: len(line) - len(line.lstrip())]
-        if "\t" in lead:
-            raise ConfigError(f"{where}: tabs are not allowed for indentation")
-        body = line.strip()
-        if body.startswith("-"):
-            raise ConfigError(f"{where}: lists are not supported without PyYAML")
-        m = re.fullmatch(r"([A-Za-z0-9_.\-]+)\s*:(?:\s+(.*))?", body)
-        if not m:
-            raise ConfigError(f"{where}: expected 'key: value', got {body!r}")
-        value = m.group(2)
-        lines.append((len(lead), m.group(1), value if value and value.strip() else None, where))
-
-    def block(i: int, indent: int) -> tuple[dict[str, Any], int]:
-        mapping: dict[str, Any] = {}
-        while i < len(lines):
-            ind, key, value, where = lines[i]
-            if ind < indent:
-                break
-            if ind > indent:
-                raise ConfigError(f"{where}: inconsistent indentation")
-            if key in mapping:
-                raise ConfigError(f"{where}: duplicate key {key!r}")
-            i += 1
-            if value is not None:
-                mapping[key] = _scalar(value, where)
-            elif i < len(lines) and lines[i][0] > indent:
-                mapping[key], i = block(i, lines[i][0])
-            else:
-                mapping[key] = None
-        return mapping, i
-
-    if not lines:
-        return {}
-    root, end = block(0, lines[0][0])
-    if end != len(lines):
-        raise ConfigError(f"{lines[end][3]}: inconsistent indentation")
-    return root
-
-
 def load_config(path: str) -> dict[str, Any]:
-    """Read the YAML file at `path` with PyYAML if available, else with `parse_yaml_subset`."""
+    """Read the YAML file at `path` (full YAML: anchors, aliases, lists, flow style)."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except OSError as e:
         raise ConfigError(f"config file {path}: {e.strerror}") from None
+    import yaml  # here: only --config-file needs it, and every hvdlite-run start would pay
+
     try:
-        import yaml  # type: ignore[import-not-found]
-    except ImportError:
-        data = parse_yaml_subset(text, path)
-    else:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path}: {e}") from None
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -165,6 +80,8 @@ def apply_config(args: Any, config: dict[str, Any], explicit: set[str], path: st
             setattr(args, dest, value)
 
     for section, body in config.items():
+        if isinstance(section, str) and section.startswith("x-"):
+            continue  # a holder for YAML anchors (`x-defaults: &d ...`), as docker compose allows
         if section == "controller":
             if not isinstance(body, str) or body.lower() not in ("gloo", "mpi"):
                 raise ConfigError(f"config file {path}: controller must be 'gloo' or 'mpi', "

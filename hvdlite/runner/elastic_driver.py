@@ -40,7 +40,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
-from hvdlite.common.elastic import HostUpdateResult
+from hvdlite.common.host_updates import HostUpdateResult
 from hvdlite.runner import hang_report
 from hvdlite.runner.control import ControlServer, WorkerConnection
 from hvdlite.runner.discovery import (DEFAULT_INTERVAL_S, Blacklist, DiscoveryError, FixedHosts,

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from hvdlite.common import config
+
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 
 
@@ -94,7 +96,7 @@ def tuning_env(args: Any) -> dict[str, str]:
 def start_timeout_from_env(environ: Mapping[str, str], default: int = 30) -> int:
     """`--start-timeout` default: HVDLITE_START_TIMEOUT, else HOROVOD_START_TIMEOUT, else 30 s."""
     for key in ("HVDLITE_START_TIMEOUT", "HOROVOD_START_TIMEOUT"):
-        value = environ.get(key)
+        value = config.raw(key, environ=environ)
         if value:
             try:
                 return int(float(value))

@@ -106,11 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     params.add_argument("--cache-capacity", dest="cache_capacity", type=int,
                         help="Response cache entries; 0 disables the cache (default 1024).")
     _bool_pair(params, "hierarchical-allreduce", "hierarchical_allreduce",
-               "Hierarchical allreduce (local, then cross-host, then local).")
+               "Hierarchical allreduce: reduce within each host, allreduce across hosts, "
+               "broadcast within each host (HOROVOD_HIERARCHICAL_ALLREDUCE=1).")
     _bool_pair(params, "hierarchical-allgather", "hierarchical_allgather",
-               "Hierarchical allgather.")
+               "Not supported by hvdlite (allgather is flat); refused.")
     _bool_pair(params, "torus-allreduce", "torus_allreduce",
-               "2-D torus allreduce (local reduce-scatter, cross allreduce, local allgather).")
+               "Not supported by hvdlite; refused (use --hierarchical-allreduce).")
 
     autotune = p.add_argument_group("autotune arguments")
     _bool_pair(autotune, "autotune", "autotune",
@@ -172,23 +173,28 @@ def build_parser() -> argparse.ArgumentParser:
     lib.add_argument("--mpi-args", dest="mpi_args", help="Extra arguments for mpirun.")
     lib.add_argument("--tcp", dest="tcp_flag", action="store_true",
                      help="Use TCP only (sets NCCL_IB_DISABLE=1).")
-    lib.add_argument("--binding-args", dest="binding_args", help="Process binding arguments (MPI).")
+    lib.add_argument("--binding-args", dest="binding_args",
+                     help="Process binding arguments for mpiexec (with --mpi only).")
     lib.add_argument("--num-nccl-streams", dest="num_nccl_streams", type=int,
-                     help="Number of NCCL streams (default 1).")
+                     help="Number of NCCL streams: hvdlite uses one; other values are refused.")
     lib.add_argument("--thread-affinity", dest="thread_affinity", metavar="CORE[,CORE...]",
-                     help="Core of the background thread, one per local rank.")
+                     help="Not supported by hvdlite; refused (pin ranks with taskset/numactl).")
     lib.add_argument("--gloo-timeout-seconds", dest="gloo_timeout_seconds", type=int,
                      help="Timeout of Gloo operations (default 30).")
 
     log = p.add_argument_group("logging arguments")
     log.add_argument("--log-level", dest="log_level", type=str.upper, choices=LOG_LEVELS,
-                     help="Minimum level logged by the engine (default WARNING).")
+                     help="Minimum level of hvdlite's log records (default WARNING; sets "
+                          "HOROVOD_LOG_LEVEL).")
     log_pair = log.add_mutually_exclusive_group()
     log_pair.add_argument("--log-with-timestamp", dest="log_with_timestamp",
-                          action="store_const", const=True, default=None, help=argparse.SUPPRESS)
-    log_pair.add_argument("--log-without-timestamp", dest="log_with_timestamp",
-                          action="store_const", const=False, default=None,
-                          help="Hide timestamps in the engine's log messages.")
+                          action="store_const", const=True, default=None,
+                          help="Show the time in hvdlite's log records (the default; sets "
+                               "HOROVOD_LOG_HIDE_TIME=0).")
+    log_pair.add_argument("--log-without-timestamp", "--log-hide-timestamp",
+                          dest="log_with_timestamp", action="store_const", const=False,
+                          default=None, help="Hide the time in hvdlite's log records (sets "
+                                             "HOROVOD_LOG_HIDE_TIME=1).")
     log.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp",
                      dest="prefix_output_with_timestamp", action="store_true",
                      help="Prefix every forwarded output line with a timestamp.")
@@ -242,6 +248,27 @@ def _flag(dest: str) -> str:
     return _FLAG_NAMES[dest]
 
 
+def _refuse_unsupported(args: argparse.Namespace) -> None:
+    """horovodrun flags for parts hvdlite does not have: one clear line instead of a flag that
+    is accepted and silently does nothing (the config file's keys land here too)."""
+    refused = (
+        ("hierarchical_allgather", args.hierarchical_allgather is True,
+         "not supported by hvdlite (its allgather is flat); drop the flag"),
+        ("torus_allreduce", args.torus_allreduce is True,
+         "not supported by hvdlite; use --hierarchical-allreduce"),
+        ("num_nccl_streams", args.num_nccl_streams not in (None, 1),
+         "not supported by hvdlite: its NCCL transport uses one stream (use 1 or drop the flag)"),
+        ("thread_affinity", args.thread_affinity is not None,
+         "not supported by hvdlite (its background thread is not pinned); pin whole ranks "
+         "with taskset or numactl instead"),
+        ("binding_args", args.binding_args is not None and not args.use_mpi,
+         "only applies to --mpi (mpiexec binds processes; the gloo launcher does not)"),
+    )
+    for dest, given, why in refused:
+        if given:
+            raise UsageError(f"argument {_flag(dest)}: {why}")
+
+
 def _check_values(args: argparse.Namespace) -> None:
     for dest, kind, low, high in _NUMBERS:
         value = getattr(args, dest, None)
@@ -287,6 +314,7 @@ def _check_values(args: argparse.Namespace) -> None:
         if low < 0 or high < low:
             raise UsageError("argument --blacklist-cooldown-range: expected 0 <= MIN <= MAX, "
                              f"got {low} {high}")
+    _refuse_unsupported(args)
     if args.stall_check_shutdown_time_seconds and args.stall_check_warning_time_seconds and \
             args.stall_check_shutdown_time_seconds <= args.stall_check_warning_time_seconds:
         raise UsageError("argument --stall-check-shutdown-time-seconds: must be larger than "
@@ -474,7 +502,8 @@ def _launch_mpi(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.update(tuning_env(args))
     try:
-        return run_mpi(args.num_proc, args.host_list, list(args.command), env, args.mpi_args)
+        mpi_args = " ".join(a for a in (args.binding_args, args.mpi_args) if a) or None
+        return run_mpi(args.num_proc, args.host_list, list(args.command), env, mpi_args)
     except MPILaunchError as e:
         return _fail(str(e), 2)
 
@@ -482,6 +511,10 @@ def _launch_mpi(args: argparse.Namespace) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point of `hvdlite-run`."""
     args = parse_args(argv)
+    from hvdlite.common.config import warn_misspelled
+
+    warn_misspelled(lambda text: print(f"{PROG}: warning: {text}", file=sys.stderr, flush=True))
+    os.environ["HVDLITE_ENV_CHECKED"] = "1"  # the ranks need not warn again
     if args.check_build:
         from hvdlite.runner.check_build import check_build_text
 

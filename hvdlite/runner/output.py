@@ -1,17 +1,33 @@
 """Forwarding of each rank's stdout/stderr to the launcher's, one whole line at a time.
 
 Lines are prefixed the way `horovodrun --gloo` does (`[3]<stdout>:`), so log scrapers written for
-Horovod keep working, and a line from one rank is never interleaved with another's.
+Horovod keep working, and a line from one rank is never interleaved with another's. A segment that
+ends in a carriage return (a tqdm progress-bar update) counts as a line too and is forwarded as
+soon as it arrives, prefix and `\r` included, as horovodrun does, so bars move live.
 """
 from __future__ import annotations
 
 import os
+import select
 import sys
 import threading
 import time
 from typing import IO, BinaryIO, Optional, TextIO
 
 _TIMESTAMP = "%a %b %d %H:%M:%S %Y"
+_IDLE_S = 0.1  # a progress-bar update with nothing after it for this long is shown as it is
+
+
+def _split(data: bytes) -> Optional[int]:
+    """Length of the first forwarded unit in `data`: text up to and including a newline or a
+    carriage return (\\r\\n stays whole), or None while no unit is complete. A trailing \\r
+    waits for the next byte, which may be its \\n."""
+    n, r = data.find(b"\n"), data.find(b"\r")
+    if r < 0 or (0 <= n < r):
+        return None if n < 0 else n + 1
+    if r + 1 == len(data):
+        return None
+    return r + 2 if data[r + 1:r + 2] == b"\n" else r + 1
 
 
 class Console:
@@ -76,17 +92,56 @@ class RankOutput:
     def _pump(self, which: str, pipe: BinaryIO, file: Optional[IO[bytes]]) -> None:
         prefix = f"[{self.label}]<{which}>:".encode()
         try:
-            for line in iter(pipe.readline, b""):
+            fd: Optional[int] = pipe.fileno()
+        except (AttributeError, OSError, ValueError):
+            fd = None
+        pending = b""
+        after_cr = False      # the last terminator was a bare \r: we are inside a progress bar
+        open_bar = False      # an update was flushed on idle and its line is still open
+
+        def emit(segment: bytes) -> None:
+            nonlocal open_bar
+            if segment == b"\n" and open_bar:
+                head = b""    # the bar's closing newline: no empty prefixed line
+            else:
+                head = (time.strftime(_TIMESTAMP).encode() + prefix) if self._timestamp \
+                    else prefix
+            open_bar = False
+            self._console.write(which, head + segment)
+
+        try:
+            while True:
+                if fd is not None:
+                    if pending and (after_cr or pending.endswith(b"\r")) and \
+                            not select.select([fd], [], [], _IDLE_S)[0]:
+                        # A bar update with nothing after it yet: show it now, not one update late.
+                        if pending != b"\r":
+                            emit(pending if pending.endswith(b"\r") else pending + b"\r")
+                            open_bar = True
+                        pending, after_cr = b"", True
+                        continue
+                    chunk = os.read(fd, 65536)
+                else:
+                    chunk = pipe.read1(65536) if hasattr(pipe, "read1") else pipe.read(65536)
+                if not chunk:
+                    break
                 if file is not None:
                     try:
-                        file.write(line)
+                        file.write(chunk)
                         file.flush()
                     except (OSError, ValueError):
                         pass
-                if not line.endswith(b"\n"):
-                    line += b"\n"  # a partial last line still ends the launcher's line
-                head = (time.strftime(_TIMESTAMP).encode() + prefix) if self._timestamp else prefix
-                self._console.write(which, head + line)
+                pending += chunk
+                while pending:
+                    cut = _split(pending)
+                    if cut is None:
+                        break
+                    segment, pending = pending[:cut], pending[cut:]
+                    after_cr = segment.endswith(b"\r")
+                    if segment != b"\r":  # a bare \r (tqdm starts each update so) has no text
+                        emit(segment)
+            if pending:
+                emit(pending.rstrip(b"\r") + b"\n")  # a partial last line still ends ours
         except (OSError, ValueError):
             pass
         finally:

@@ -24,6 +24,7 @@ import zlib
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+from hvdlite.common.config import raw as env_raw
 from hvdlite.runner.local import SSHSettings
 
 SSH_ARGS_ENV = "HVDLITE_SSH_ARGS"
@@ -48,7 +49,7 @@ def _bootstrap_line() -> str:
 
 def ssh_command(host: str, settings: SSHSettings) -> list[str]:
     """`ssh <options> host`, ready for a remote command."""
-    cmd = ["ssh", *shlex.split(os.environ.get(SSH_ARGS_ENV, "")),
+    cmd = ["ssh", *shlex.split(env_raw(SSH_ARGS_ENV, "")),
            "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new",
            "-o", f"ConnectTimeout={max(1, int(settings.connect_timeout))}",
            "-o", "LogLevel=ERROR", "-o", "ServerAliveInterval=10", "-T", "-x"]
@@ -65,7 +66,7 @@ def remote_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def remote_python() -> str:
-    return os.environ.get(REMOTE_PYTHON_ENV) or sys.executable
+    return env_raw(REMOTE_PYTHON_ENV) or sys.executable
 
 
 class SSHSpawner:

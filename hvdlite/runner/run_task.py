@@ -24,14 +24,15 @@ def main() -> int:
 
     from hvdlite.runner.secret import SECRET_ENV, sign, verify
 
+    from hvdlite.common import config
     from hvdlite.common.rendezvous import ELASTIC_WORKER_ENV
 
     # An elastic worker's rank changes; its result is filed under its stable worker id.
-    rank = os.environ.get(ELASTIC_WORKER_ENV) or int(os.environ["HVDLITE_RANK"])
-    timeout = datetime.timedelta(seconds=float(os.environ.get("HVDLITE_START_TIMEOUT", "30")))
-    store = TCPStore(os.environ["HVDLITE_STORE_ADDR"], int(os.environ["HVDLITE_STORE_PORT"]),
+    rank = config.raw(ELASTIC_WORKER_ENV) or int(config.raw("HVDLITE_RANK"))
+    timeout = datetime.timedelta(seconds=float(config.raw("HVDLITE_START_TIMEOUT", "30")))
+    store = TCPStore(config.raw("HVDLITE_STORE_ADDR"), int(config.raw("HVDLITE_STORE_PORT")),
                      None, False, timeout=timeout)
-    key = bytes.fromhex(os.environ[SECRET_ENV])
+    key = bytes.fromhex(config.raw(SECRET_ENV))
     func, args, kwargs = cloudpickle.loads(verify(key, store.get(FUNC_KEY)))
     try:
         payload = ("ok", func(*args, **kwargs))

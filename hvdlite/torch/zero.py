@@ -27,6 +27,8 @@ import weakref
 from contextlib import contextmanager
 from typing import Any
 
+from ..common import config
+
 import torch
 
 from .compression import drive_all, is_stateful
@@ -47,7 +49,7 @@ def check_zero_stage(zero_stage: Any) -> int:
 
 
 def _bucket_bytes() -> int:
-    v = os.environ.get("HVDLITE_ZERO_BUCKET_BYTES")
+    v = config.raw("HVDLITE_ZERO_BUCKET_BYTES")
     return int(v) if v else _DEFAULT_BUCKET_BYTES
 
 

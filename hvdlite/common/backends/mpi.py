@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from .. import config
 from ..messages import MAX, MIN, PRODUCT, SUM
 
 try:
@@ -56,8 +57,7 @@ def wait_mode(local_ranks: int | None = None) -> str:
     the core away between polls. HVDLITE_MPI_WAIT (or HOROVOD_MPI_WAIT) = spin | yield | auto;
     auto (the default) yields when this host runs more ranks than this process may use cores.
     """
-    choice = (os.environ.get("HVDLITE_MPI_WAIT") or os.environ.get("HOROVOD_MPI_WAIT")
-              or "auto").strip().lower()
+    choice = (config.env("MPI_WAIT") or "auto").strip().lower()
     if choice in ("spin", "yield"):
         return choice
     if choice != "auto":
@@ -199,7 +199,7 @@ def world(comm=None):
 
 def identity(comm):
     from ..rendezvous import Identity
-    hostname = (os.environ.get("HVDLITE_HOSTNAME") or os.environ.get("HOROVOD_HOSTNAME")
+    hostname = (config.raw("HVDLITE_HOSTNAME") or config.raw("HOROVOD_HOSTNAME")
                 or socket.gethostname())
     return Identity(comm.Get_rank(), comm.Get_size(), None, None, False, "MPI", hostname)
 
@@ -230,7 +230,7 @@ def share_address(comm, port: int | None) -> tuple[str, int]:
     """Rank 0's coordinator address, given to every rank over MPI."""
     hosts = comm.allgather(socket.gethostname())
     if comm.Get_rank() == 0:
-        explicit = os.environ.get("HVDLITE_COORDINATOR_ADDR")
+        explicit = config.raw("HVDLITE_COORDINATOR_ADDR")
         if explicit:
             host = explicit
         elif len(set(hosts)) == 1:

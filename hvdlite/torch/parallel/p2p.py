@@ -33,6 +33,7 @@ import torch
 
 from .. import mpi_ops
 from ...common import basics as _basics
+from ...common import config
 from . import _comm
 from .groups import ensure_process_sets, find_process_set
 
@@ -55,7 +56,7 @@ class P2PError(RuntimeError):
 
 
 def inline_limit() -> int:
-    raw = os.environ.get("HVDLITE_P2P_INLINE_BYTES")
+    raw = config.raw("HVDLITE_P2P_INLINE_BYTES")
     if raw is None:
         return 512 * 1024
     try:

@@ -36,7 +36,7 @@ from . import _comm, balance as _balance, p2p, schedule as _schedule
 from .groups import default_pp_set
 from .random import checkpoint as _rng_checkpoint
 
-log = logging.getLogger("hvdlite")
+log = logging.getLogger(__name__)
 
 _ACT = "\x00act"               # the edge item that carries the main activation
 _LOOKAHEAD = 8                 # program ops ahead of the current one whose receives are posted

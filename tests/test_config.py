@@ -1,0 +1,91 @@
+"""The one registry of environment variables: complete, documented, and checked for typos."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hvdlite.common import config
+
+ROOT = Path(__file__).resolve().parent.parent
+HVDLITE_RUN = str(Path(sys.executable).parent / "hvdlite-run")
+# Names in the source that are not environment variables.
+NOT_VARIABLES = {"HOROVOD_", "HVDLITE_", "HOROVOD_X", "HVDLITE_X",
+                 "HOROVOD_PROCESS_SET_ERROR_INIT", "HOROVOD_PROCESS_SET_ERROR_UNKNOWN_SET",
+                 "HOROVOD_SECRET_KEY"}
+
+
+def _sources():
+    return [p for p in (ROOT / "hvdlite").rglob("*.py")]
+
+
+def test_every_name_in_the_code_is_declared():
+    undeclared = set()
+    for path in _sources():
+        for name in re.findall(r"\b(?:HVDLITE|HOROVOD)_[A-Z0-9_]*", path.read_text()):
+            if name not in NOT_VARIABLES and not config.declared(name) and \
+                    name.rstrip("_") not in NOT_VARIABLES:
+                undeclared.add(f"{name} ({path.relative_to(ROOT)})")
+    assert not undeclared, sorted(undeclared)
+
+
+def test_no_direct_reads_outside_the_registry():
+    """HVDLITE_*/HOROVOD_* variables are read through hvdlite.common.config only."""
+    direct = re.compile(r"""os\.(?:environ(?:\.get)?\s*[\[(]|getenv\()\s*f?["'](?:HVDLITE|HOROVOD)_""")
+    found = []
+    for path in _sources():
+        if path.name == "config.py" and path.parent.name == "common":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if direct.search(line) and not re.search(r"\]\s*=[^=]", line):  # writes are fine
+                found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not found, found
+
+
+def test_readme_table_is_generated_from_the_registry():
+    readme = (ROOT / "README.md").read_text()
+    assert config.markdown_table() in readme, \
+        "README's table is stale: paste `python -m hvdlite.common.config` into it"
+
+
+def test_misspelled_names():
+    environ = {"HVDLITE_FUSION_THRESHHOLD": "1", "HVDLITE_FUSION_THRESHOLD": "2",
+               "HVDLITE_SOMETHING_ELSE": "x", "HOROVOD_GPU_OPERATIONS": "NCCL"}
+    assert config.misspelled(environ) == [("HVDLITE_FUSION_THRESHHOLD",
+                                          "HVDLITE_FUSION_THRESHOLD")]
+    with pytest.raises(KeyError, match="HVDLITE_NOPE is not declared"):
+        config.raw("HVDLITE_NOPE")
+
+
+@pytest.mark.timeout(60)
+def test_launcher_warns_once_about_a_misspelled_variable():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    env.update(PYTHONPATH=str(ROOT), HVDLITE_CYCLE_TMIE="2")
+    out = subprocess.run([HVDLITE_RUN, "-np", "2", sys.executable, "-c", "pass"],
+                         capture_output=True, text=True, timeout=50, env=env)
+    assert out.returncode == 0, out.stderr
+    warnings = [line for line in out.stderr.splitlines() if "HVDLITE_CYCLE_TMIE" in line]
+    assert warnings == ["hvdlite-run: warning: HVDLITE_CYCLE_TMIE is not a variable hvdlite "
+                        "reads; did you mean HVDLITE_CYCLE_TIME?"], out.stderr
+
+
+def test_settings_defaults_match_the_registry():
+    """Settings (the engine's view) and the registry (the README's) state the same defaults."""
+    fields = {"fusion_threshold": "FUSION_THRESHOLD", "cycle_time_ms": "CYCLE_TIME",
+              "cache_capacity": "CACHE_CAPACITY", "stall_warning_s": "STALL_CHECK_TIME_SECONDS",
+              "stall_shutdown_s": "STALL_SHUTDOWN_TIME_SECONDS",
+              "gloo_timeout_s": "GLOO_TIMEOUT_SECONDS", "start_timeout_s": "START_TIMEOUT",
+              "shutdown_grace_s": "SHUTDOWN_GRACE_SECONDS", "log_level": "LOG_LEVEL",
+              "hierarchical_allreduce": "HIERARCHICAL_ALLREDUCE",
+              "autotune_warmup_samples": "AUTOTUNE_WARMUP_SAMPLES",
+              "autotune_steps_per_sample": "AUTOTUNE_STEPS_PER_SAMPLE",
+              "autotune_bayes_opt_max_samples": "AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+              "autotune_gaussian_process_noise": "AUTOTUNE_GAUSSIAN_PROCESS_NOISE"}
+    registry = {v.name: v.default for v in config.VARIABLES}
+    defaults = config.Settings()
+    for field, name in fields.items():
+        assert getattr(defaults, field) == registry[name], (field, name)
