@@ -26,3 +26,11 @@ if [ -x .venv/bin/mpiexec ]; then
   .venv/bin/mpiexec -n 2 "$PY" benchmarks/allreduce.py \
       --json "$OUT/allreduce_mpi.json" --plot "$OUT/allreduce_mpi.png"
 fi
+for np in 1 2 4; do
+  echo "== ZeRO sharding (memory, step time), $np rank(s), gloo"
+  .venv/bin/hvdlite-run -np "$np" "$PY" benchmarks/zero.py --json "$OUT/zero_np$np.json"
+done
+echo "== gradient compression (bytes, step time, final loss), 2 ranks, gloo"
+.venv/bin/hvdlite-run -np 2 "$PY" benchmarks/compression.py --json "$OUT/compression_np2.json"
+echo "== Keras model.fit / DistributedGradientTape / torch frontend / one plain process"
+"$PY" benchmarks/keras_fit.py --json "$OUT/keras_fit.json"

@@ -95,9 +95,18 @@ def _render(fn) -> str:
     return ", ".join(parts)
 
 
+# hvdlite-only keywords, appended after Horovod's parameters (so positional calls are unchanged).
+EXTENSIONS = {
+    "DistributedOptimizer": "zero_stage=0",
+}
+
+
 @pytest.mark.parametrize("name", sorted(SIGNATURES))
 def test_signature_matches_horovod(name):
-    assert _render(getattr(hvd, name)) == SIGNATURES[name]
+    expected = SIGNATURES[name]
+    if name in EXTENSIONS:
+        expected += ", " + EXTENSIONS[name]
+    assert _render(getattr(hvd, name)) == expected
 
 
 @pytest.mark.parametrize("name", NO_ARGS + OTHER)
@@ -115,3 +124,59 @@ def test_exceptions_are_importable_from_both_places():
     assert hvd.HorovodInternalError is HorovodInternalError
     assert issubclass(HorovodInternalError, RuntimeError)
     assert hvdlite.HorovodInternalError is HorovodInternalError
+
+
+# ---------------------------------------------------------------------- behaviours (issue 10)
+# Multi-process behaviours (exception classes on every rank, result dtypes, tf.function) are in
+# test_compat.py; these need no job.
+@pytest.mark.parametrize("ranks", [[2, 0, 1], reversed(range(3)), range(3), (1, 2, 0), {0, 1, 2},
+                                   "numpy", "tensor"])
+def test_process_set_takes_any_iterable_of_ranks_sorted(ranks):
+    import numpy as np
+    import torch
+    if ranks == "numpy":
+        ranks = np.array([2, 1, 0])
+    elif ranks == "tensor":
+        ranks = torch.tensor([1, 0, 2])
+    ps = hvd.ProcessSet(ranks)
+    assert ps.ranks == [0, 1, 2]
+    assert ps == hvd.ProcessSet([0, 1, 2])
+
+
+@pytest.mark.parametrize("bad", ["012", 3, [0, 0, 1], [0.5, 1]])
+def test_process_set_refuses_non_rank_lists(bad):
+    with pytest.raises(ValueError):
+        hvd.ProcessSet(bad)
+
+
+def test_alltoall_split_checks_are_value_errors():
+    from hvdlite.common.validation import alltoall_splits
+    assert alltoall_splits(None, 4, 2) is None
+    assert alltoall_splits([3, 1], 4, 2) == (3, 1)
+    for splits, dim0, size, needle in [(None, 5, 2, "divide evenly"), ([1, 1], 3, 2, "sum to"),
+                                       ([1, 1, 1], 3, 2, "one count per rank"),
+                                       ([4, -1], 3, 2, "negative")]:
+        with pytest.raises(ValueError, match=needle):
+            alltoall_splits(splits, dim0, size)
+
+
+def test_reducescatter_adasum_is_runtime_error_before_init():
+    import torch
+    with pytest.raises(RuntimeError, match="Adasum") as info:
+        hvd.reducescatter(torch.ones(2), op=hvd.Adasum)
+    assert not isinstance(info.value, hvd.HorovodInternalError)
+
+
+def test_tf_error_classes_are_horovods_and_hvdlites():
+    tf = pytest.importorskip("tensorflow")
+    from hvdlite.common.exceptions import HorovodInternalError, HorovodMismatchError
+    from hvdlite.tensorflow.errors import as_tf_error
+    e = as_tf_error(HorovodMismatchError("Mismatched shapes"))
+    assert isinstance(e, tf.errors.FailedPreconditionError)
+    assert isinstance(e, HorovodInternalError) and str(e) == "Mismatched shapes"
+    e = as_tf_error(ValueError("bad splits"))
+    assert isinstance(e, tf.errors.InvalidArgumentError) and isinstance(e, ValueError)
+    e = as_tf_error(NotImplementedError("xla"))
+    assert isinstance(e, tf.errors.UnimplementedError)
+    other = HorovodInternalError("peer died")
+    assert as_tf_error(other) is other      # kept: elastic recovery catches it as it is

@@ -23,6 +23,21 @@ def test_started_with_horovod_variables():
     for r, p in enumerate(res):
         assert p.returncode == 0, p.stdout + p.stderr
         assert f"OK rank={r} size=3 local={r}/3" in p.stdout
+    # No secret given: rank 0 says once that the control plane runs unauthenticated.
+    assert res[0].stderr.count("the control plane runs UNAUTHENTICATED") == 1, res[0].stderr
+    assert "UNAUTHENTICATED" not in res[1].stderr + res[2].stderr
+
+
+@pytest.mark.timeout(120)
+def test_horovod_variables_with_a_secret_file(tmp_path):
+    """HVDLITE_SECRET_FILE authenticates the control plane: no warning, the job runs."""
+    secret = tmp_path / "secret"
+    secret.write_text("0123456789abcdef" * 4 + "\n")
+    res = spawn_ranks("env_start.py", np=2, env={"HVDLITE_SECRET_FILE": str(secret)})
+    for r, p in enumerate(res):
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert f"OK rank={r} size=2" in p.stdout
+        assert "UNAUTHENTICATED" not in p.stderr
 
 
 @pytest.mark.timeout(60)

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Optional
 
-from . import naming, rendezvous
+from . import flight_recorder, naming, rendezvous
 from .backends import mpi as mpi_backend
 from .backends import nccl as nccl_backend
 from .backends import select
@@ -24,8 +24,9 @@ from .engine import Engine
 from .exceptions import HorovodInternalError
 from .process_sets import ProcessSet, global_process_set
 from .protocol import Msg
+from .rendezvous import client_handshake
 from .timeline import Timeline
-from .wire import Channel
+from .wire import ProtocolError
 
 log = logging.getLogger("hvdlite")
 
@@ -79,8 +80,11 @@ def init(comm=None, process_sets=None) -> None:
 
     `process_sets` is a list of ProcessSet to register on every rank, or "dynamic" to allow
     add_process_set/remove_process_set later. Calling init() twice is harmless.
+
+    An elastic worker whose round is aborted while it is still in init() (a member died there)
+    asks the driver for the next round at once instead of waiting out HVDLITE_START_TIMEOUT.
     """
-    global _state, _generation, _atexit_registered
+    global _state, _atexit_registered
     with _lock:
         if _state is not None:
             return
@@ -96,81 +100,120 @@ def init(comm=None, process_sets=None) -> None:
                 if not isinstance(ps, ProcessSet) or ps.ranks is None:
                     raise ValueError("init(process_sets=...) takes a list of ProcessSet built "
                                      "from rank lists, or 'dynamic'")
+            _check_distinct_sets(static)
         transport = select.choose_transport(comm)
-        world = select.mpi_world(transport, comm)
-        ident = mpi_backend.identity(world) if world is not None else rendezvous.identify()
-        if ident.size > 1 or ident.store_host is not None:
-            for ps in static:
-                bad = [r for r in ps.ranks if not 0 <= r < ident.size]
-                if bad:
-                    raise ValueError(f"ProcessSet {ps.ranks} names ranks {bad} outside "
-                                     f"0..{ident.size - 1}")
-        _generation += 1
-        prefix = rendezvous.store_prefix(ident, _generation)
-        if ident.round is not None:
-            # Elastic round: a worker that joins now must name unnamed collectives as the
-            # survivors do, so call-site counters restart with the round on every rank.
-            naming.reset()
-        if world is None:
-            store = rendezvous.connect_store(ident, settings.start_timeout_s)
-        else:
-            store = mpi_backend.share_store(world, settings.start_timeout_s)
-        key = _job_key(ident, store, prefix) if world is None else mpi_backend.job_key(world)
-        state = _State()
-        state.settings = settings
-        state.rank, state.size = ident.rank, ident.size
-        state.dynamic = dynamic
-        timeline = None
-        if ident.rank == 0:
-            path = settings.timeline
-            timeline = Timeline(None if path in (None, "DYNAMIC") else path,
-                                settings.timeline_mark_cycles)
-            state.coordinator = Coordinator(ident.size, key, settings, timeline)
-            state.coordinator.start()
-        state.timeline = timeline
-        deadline = time.monotonic() + settings.start_timeout_s
-        port = state.coordinator.port if state.coordinator is not None else None
-        if world is not None:
-            host, port = mpi_backend.share_address(world, port)
-        else:
-            host, port = _share_address(ident, store, prefix, port, settings)
-        sock = _connect(host, int(port), deadline)
-        channel = Channel(sock, key)
-        channel.send((Msg.HELLO, {"rank": ident.rank, "size": ident.size, "hostname": ident.hostname,
-                            "pid": os.getpid(), "dynamic": dynamic,
-                            "process_sets": [ps.ranks for ps in static]}))
-        try:
-            reply = channel.recv_blocking(max(1.0, deadline - time.monotonic()) + 5.0)
-        except (OSError, ConnectionError) as exc:
-            channel.close()
-            if state.coordinator is not None:
-                state.coordinator.stop()
-            raise HorovodInternalError(f"rank {ident.rank} could not join the job: {exc}") from exc
-        if reply[0] == Msg.FATAL:
-            channel.close()
-            if state.coordinator is not None:
-                state.coordinator.stop()
-            raise HorovodInternalError(reply[1])
-        topo = reply[1]
-        state.topology = topo
-        set_ranks = {0: list(range(ident.size))}
-        for ps, sid in zip(static, topo["process_set_ids"]):
-            ps.process_set_id = sid
-            set_ranks[sid] = list(ps.ranks)
-            state.sets[sid] = ps
-        global_process_set.ranks = list(range(ident.size))
-        state.sets[0] = global_process_set
-
-        factory = select.comm_factory(transport, store=store, prefix=prefix, world=world,
-                                      rank=ident.rank, timeout_s=settings.gloo_timeout_s)
-        state.engine = Engine(rank=ident.rank, size=ident.size, settings=settings,
-                              channel=channel, comm_factory=factory, set_ranks=set_ranks,
-                              timeline=timeline)
-        state.transport = transport
+        while True:
+            try:
+                state = _init_once(comm, settings, dynamic, static, transport)
+                break
+            except rendezvous.RoundAborted as exc:
+                log.warning("elastic: %s; asking the driver for the next round", exc)
         _state = state
+        flight_recorder.install(state.rank, state.topology.get("hosts", {}).get(state.rank, ""),
+                                settings, state.size)
+        flight_recorder.RECORDER.coordinator_view = (
+            state.coordinator.view if state.coordinator is not None else None)
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
+
+
+def _init_once(comm, settings: Settings, dynamic: bool, static: list,
+               transport: str) -> "_State":
+    global _generation
+    world = select.mpi_world(transport, comm)
+    ident = mpi_backend.identity(world) if world is not None else rendezvous.identify()
+    if ident.size > 1 or ident.store_host is not None:
+        for ps in static:
+            bad = [r for r in ps.ranks if not 0 <= r < ident.size]
+            if bad:
+                raise ValueError(f"ProcessSet {ps.ranks} names ranks {bad} outside "
+                                 f"0..{ident.size - 1}")
+    _generation += 1
+    prefix = rendezvous.store_prefix(ident, _generation)
+    if ident.round is not None:
+        # Elastic round: a worker that joins now must name unnamed collectives as the
+        # survivors do, so call-site counters restart with the round on every rank.
+        naming.reset()
+    state = _State()
+    try:
+        _join(state, ident, world, settings, dynamic, static, transport, prefix)
+    except Exception as exc:
+        if state.coordinator is not None:
+            state.coordinator.stop()
+        aborted = rendezvous.round_aborted(ident, wait_s=2.0) if ident.round is not None \
+            else None
+        if aborted and not isinstance(exc, rendezvous.WorkerRemoved):
+            raise rendezvous.RoundAborted(aborted) from exc
+        raise
+    return state
+
+
+def _join(state: "_State", ident, world, settings: Settings, dynamic: bool, static: list,
+          transport: str, prefix: str) -> None:
+    if world is None:
+        store = rendezvous.connect_store(ident, settings.start_timeout_s)
+    else:
+        store = mpi_backend.share_store(world, settings.start_timeout_s)
+    key = _job_key(ident, store, prefix) if world is None else mpi_backend.job_key(world)
+    state.settings = settings
+    state.rank, state.size = ident.rank, ident.size
+    state.dynamic = dynamic
+    timeline = None
+    if ident.rank == 0:
+        path = settings.timeline
+        timeline = Timeline(None if path in (None, "DYNAMIC") else path,
+                            settings.timeline_mark_cycles)
+        state.coordinator = Coordinator(ident.size, key, settings, timeline)
+        if ident.round is not None:
+            state.coordinator.abort_check = lambda: rendezvous.round_aborted(ident)
+        state.coordinator.start()
+    state.timeline = timeline
+    deadline = time.monotonic() + settings.start_timeout_s
+    port = state.coordinator.port if state.coordinator is not None else None
+    if world is not None:
+        host, port = mpi_backend.share_address(world, port)
+    else:
+        host, port = _share_address(ident, store, prefix, port, settings)
+    sock = _connect(host, int(port), deadline)
+    hello = (Msg.HELLO, {"rank": ident.rank, "size": ident.size, "hostname": ident.hostname,
+                         "pid": os.getpid(), "dynamic": dynamic,
+                         "process_sets": [ps.ranks for ps in static]})
+    wait_s = max(1.0, deadline - time.monotonic()) + 5.0
+    try:
+        # The nonce handshake of the driver's endpoints: a per-connection key, so a frame
+        # recorded on one connection is refused on any other.
+        channel = client_handshake(sock, key, hello, wait_s)
+    except (OSError, ConnectionError, ProtocolError) as exc:
+        sock.close()
+        raise HorovodInternalError(f"rank {ident.rank} could not join the job: the "
+                                   f"coordinator at {host}:{port} refused or dropped the "
+                                   f"connection ({exc}); do all ranks share the job "
+                                   f"secret (HVDLITE_SECRET)?") from exc
+    try:
+        reply = channel.recv_blocking(wait_s)
+    except (OSError, ConnectionError) as exc:
+        channel.close()
+        raise HorovodInternalError(f"rank {ident.rank} could not join the job: {exc}") from exc
+    if reply[0] == Msg.FATAL:
+        channel.close()
+        raise HorovodInternalError(reply[1])
+    topo = reply[1]
+    state.topology = topo
+    set_ranks = {0: list(range(ident.size))}
+    for ps, sid in zip(static, topo["process_set_ids"]):
+        ps.process_set_id = sid
+        set_ranks[sid] = list(ps.ranks)
+        state.sets[sid] = ps
+    global_process_set.ranks = list(range(ident.size))
+    state.sets[0] = global_process_set
+
+    factory = select.comm_factory(transport, store=store, prefix=prefix, world=world,
+                                  rank=ident.rank, timeout_s=settings.gloo_timeout_s)
+    state.engine = Engine(rank=ident.rank, size=ident.size, settings=settings,
+                          channel=channel, comm_factory=factory, set_ranks=set_ranks,
+                          timeline=timeline)
+    state.transport = transport
 
 
 def _share_address(ident, store, prefix: str, port, settings) -> tuple[str, int]:
@@ -178,7 +221,19 @@ def _share_address(ident, store, prefix: str, port, settings) -> tuple[str, int]
     if port is not None:
         store.set(prefix + "coordinator", f"{rendezvous.advertised_host(ident)}:{port}")
     try:
+        if ident.round is not None:
+            # Poll, so that a round aborted by the driver ends this wait at once.
+            deadline = time.monotonic() + settings.start_timeout_s
+            while not store.check([prefix + "coordinator"]):
+                why = rendezvous.round_aborted(ident)
+                if why:
+                    raise rendezvous.RoundAborted(why)
+                if time.monotonic() > deadline:
+                    raise TimeoutError("timed out")
+                time.sleep(0.05)
         host, port = store.get(prefix + "coordinator").decode().rsplit(":", 1)
+    except rendezvous.RoundAborted:
+        raise
     except Exception as exc:
         raise HorovodInternalError(
             f"rank {ident.rank} did not hear from rank 0 within "
@@ -189,17 +244,35 @@ def _share_address(ident, store, prefix: str, port, settings) -> tuple[str, int]
 
 def _job_key(ident, store, prefix: str) -> bytes:
     """The per-job secret that signs every control message."""
-    secret = os.environ.get("HVDLITE_SECRET")
+    secret = rendezvous.job_secret()
     if secret:
-        return bytes.fromhex(secret) if all(c in "0123456789abcdefABCDEF" for c in secret) \
-            else secret.encode()
+        return secret
     if ident.size == 1:
         return os.urandom(32)
+    _warn_unauthenticated(ident)
     if ident.rank == 0:
         key = os.urandom(32)
         store.set(prefix + "key", key.hex())
         return key
     return bytes.fromhex(store.get(prefix + "key").decode())
+
+
+_warned_unauthenticated = False
+
+
+def _warn_unauthenticated(ident) -> None:
+    """Said once per process, on rank 0: without a secret the key travels in the c10d store,
+    which anyone who reaches the store can read."""
+    global _warned_unauthenticated
+    if _warned_unauthenticated or ident.rank != 0:
+        return
+    _warned_unauthenticated = True
+    log.warning("the control plane runs UNAUTHENTICATED: this job started from the %s without "
+                "HVDLITE_SECRET or HVDLITE_SECRET_FILE, so rank 0 publishes the job key in the "
+                "rendezvous store at %s:%s, where anyone who reaches it can read it. Set "
+                "HVDLITE_SECRET (or HVDLITE_SECRET_FILE) to the same value on every rank, or "
+                "start the job with hvdlite-run.", ident.source, ident.store_host,
+                ident.store_port)
 
 
 def shutdown() -> None:
@@ -275,6 +348,18 @@ def engine() -> Engine:
 
 
 # ---------------------------------------------------------------------- process sets
+def _check_distinct_sets(sets: list) -> None:
+    """Horovod refuses the same ranks twice in init(process_sets=...), on every rank (the
+    list is the same everywhere, so every rank decides alike without communicating)."""
+    seen: dict = {}
+    for i, ps in enumerate(sets):
+        key = tuple(ps.ranks)
+        if key in seen:
+            raise ValueError(f"init(process_sets=...): process sets {seen[key]} and {i} both hold "
+                             f"ranks {list(key)}; pass each process set once")
+        seen[key] = i
+
+
 def find_process_set(ranks) -> Optional[ProcessSet]:
     """The registered process set with exactly these global ranks (any order), or None."""
     state = _require()

@@ -10,19 +10,21 @@ instead of waiting for the next cycle.
 from __future__ import annotations
 
 import logging
+import queue
 import selectors
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 
-from . import autotune
+from . import autotune, straggler
 from .config import Settings
 from .fusion import fuse_responses
 from .messages import (ADD_PROCESS_SET, CACHEABLE_TYPES, ERROR, JOIN, REMOVE_PROCESS_SET,
                        TYPE_NAMES, Request, Response)
 from .negotiation import construct_response
 from .protocol import Item, Msg
+from .rendezvous import server_handshake
 from .response_cache import CoordinatorCache
 from .stall import StallInspector
 from .wire import Channel, ProtocolError
@@ -85,12 +87,22 @@ class Coordinator:
         self.thread = threading.Thread(target=self._run, name="hvdlite-coordinator", daemon=True)
         self.fatal: str | None = None
         self._fatal_sent = False
+        # Connections that passed the nonce handshake (authenticated off the loop's thread,
+        # so a silent stranger cannot hold the coordinator up): (channel, first message).
+        self._arrivals: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self.refused = 0                            # connections refused (for tests and logs)
+        self._last_seen: dict[int, tuple] = {}      # rank -> (time, requests, hits) of its last Q
+        self._dump_asked = False
+        self._fatal_extra: dict | None = None
+        self.straggler = None                       # straggler.Tracker when reports are on
         self._shut_down_ranks: set[int] = set()
         self._evicted: list = []                    # (set, bits) retired while releasing
         self._fresh: set[tuple[int, int]] = set()   # (set id, bit) announced in this round
         self._group_sizes: dict[tuple[int, str], int] = {}
         # Autotune hook: None unless HOROVOD_AUTOTUNE=1 (see autotune.py).
         self.autotune = autotune.create(settings)
+        # Elastic init: returns a reason when the driver aborted this round (a member died).
+        self.abort_check = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -150,16 +162,14 @@ class Coordinator:
                     f"{self.settings.start_timeout_s:.0f} s (HVDLITE_START_TIMEOUT). Check that "
                     f"every rank was started, runs the same script and reaches rank 0's host.")
                 return False
-            for key, _ in self.sel.select(timeout=min(left, 1.0)):
+            if self.abort_check is not None:
+                why = self.abort_check()
+                if why:
+                    self._fail_handshake(why)
+                    return False
+            for key, _ in self.sel.select(timeout=min(left, 0.25)):
                 if key.data == "listen":
-                    try:
-                        conn, _ = self.listener.accept()
-                    except BlockingIOError:
-                        continue
-                    conn.setblocking(True)
-                    peer = _Peer(Channel(conn, self.key))
-                    waiting[conn.fileno()] = peer
-                    self.sel.register(conn, selectors.EVENT_READ, peer)
+                    self._accept_connection()
                 elif key.data == "wake":
                     self._wake_r.recv(4096)
                 else:
@@ -180,8 +190,71 @@ class Coordinator:
                         if error:
                             self._fail_handshake(error)
                             return False
+            while True:
+                try:
+                    channel, hello = self._arrivals.get_nowait()
+                except queue.Empty:
+                    break
+                peer = _Peer(channel)
+                waiting[channel.fileno()] = peer
+                self.sel.register(channel.sock, selectors.EVENT_READ, peer)
+                error = self._accept_hello(peer, hello)
+                if error:
+                    self._fail_handshake(error)
+                    return False
         self._send_topology()
         return True
+
+    # ------------------------------------------------------------------ authentication
+    def _accept_connection(self) -> None:
+        try:
+            conn, addr = self.listener.accept()
+        except (BlockingIOError, OSError):
+            return
+        conn.setblocking(True)
+        threading.Thread(target=self._authenticate, args=(conn, f"{addr[0]}:{addr[1]}"),
+                         name="hvdlite-coordinator-auth", daemon=True).start()
+
+    def _authenticate(self, conn: socket.socket, peer: str) -> None:
+        """The nonce handshake of the driver's endpoints (rendezvous.server_handshake): a frame
+        recorded on another connection, a forged or oversized one, or a truncated handshake is
+        refused and logged; the job goes on."""
+        try:
+            channel, hello = server_handshake(conn, self.key, 10.0)
+        except (OSError, ConnectionError, ValueError, EOFError) as exc:
+            self.refused += 1
+            log.warning("hvdlite coordinator: refused a connection from %s: %s (the job goes on)",
+                        peer, exc or type(exc).__name__)
+            try:
+                conn.close()
+            except OSError:
+                pass
+            return
+        except Exception as exc:  # an unpicklable payload that passed the MAC: still refused
+            self.refused += 1
+            log.warning("hvdlite coordinator: refused a connection from %s: %r (the job goes on)",
+                        peer, exc)
+            conn.close()
+            return
+        self._arrivals.put((channel, hello))
+        try:
+            self._wake_w.send(b"a")
+        except OSError:
+            channel.close()
+
+    def _refuse_late_arrivals(self) -> None:
+        """Every rank has joined: a later connection, even an authenticated one, has no place."""
+        while True:
+            try:
+                channel, hello = self._arrivals.get_nowait()
+            except queue.Empty:
+                return
+            self.refused += 1
+            who = hello[1].get("rank") if isinstance(hello, tuple) and len(hello) > 1 and \
+                isinstance(hello[1], dict) else "?"
+            log.warning("hvdlite coordinator: refused a connection from %s claiming rank %s: "
+                        "every rank has already joined (the job goes on)", channel._peer(), who)
+            channel.close()
 
     def _accept_hello(self, peer: _Peer, msg) -> str | None:
         if not (isinstance(msg, tuple) and msg and msg[0] == Msg.HELLO):
@@ -246,10 +319,14 @@ class Coordinator:
                 "hosts": {r: self.peers[r].hostname for r in range(self.size)},
             }
             self.peers[h["rank"]].channel.send((Msg.TOPOLOGY, topo))
+        interval = straggler.interval_from_env()
+        if interval > 0 and self.size > 1:
+            self.straggler = straggler.Tracker(
+                self.size, interval, {r: p.hostname for r, p in self.peers.items()},
+                time.monotonic())
 
     # ------------------------------------------------------------------ main loop
     def _serve(self) -> None:
-        self.sel.unregister(self.listener)
         next_check = time.monotonic() + 1.0
         while not self._stop.is_set():
             events = self.sel.select(timeout=0.5)
@@ -257,8 +334,10 @@ class Coordinator:
             for key, _ in events:
                 if key.data == "wake":
                     self._wake_r.recv(4096)
+                    self._refuse_late_arrivals()
                     continue
                 if key.data == "listen":
+                    self._accept_connection()
                     continue
                 peer = key.data
                 try:
@@ -280,6 +359,9 @@ class Coordinator:
             if now >= next_check and not self._stop.is_set():
                 next_check = now + 1.0
                 self._check_stalls(now)
+                if self.straggler is not None:
+                    self.straggler.maybe_report(now)
+                self._heartbeat()
             if not self.peers:
                 break
 
@@ -294,10 +376,11 @@ class Coordinator:
             f"coordinator: the process exited or crashed without calling hvd.shutdown(). Its "
             f"own output says why; every other rank stops with this error.", out)
 
-    def _stop_with(self, message: str, out: dict) -> None:
+    def _stop_with(self, message: str, out: dict, extra: dict | None = None) -> None:
         self._flush(out)
         out.clear()
         self.fatal = message
+        self._fatal_extra = extra
         self._broadcast_fatal(message)
         self._stop.set()
 
@@ -305,13 +388,17 @@ class Coordinator:
         if self._fatal_sent:
             return
         self._fatal_sent = True
+        msg = (Msg.FATAL, message) if not self._fatal_extra else \
+            (Msg.FATAL, message, self._fatal_extra)
         for peer in list(self.peers.values()):
             try:
-                peer.channel.send((Msg.FATAL, message))
+                peer.channel.send(msg)
             except OSError:
                 pass
 
     def _flush(self, out: dict) -> None:
+        if self.straggler is not None and out:
+            self.straggler.released(out.keys(), time.monotonic())
         for rank, items in out.items():
             peer = self.peers.get(rank)
             if peer is None or not items:
@@ -327,6 +414,10 @@ class Coordinator:
         kind = msg[0]
         if kind == Msg.QUERY:
             _, requests, hits = msg
+            now = time.monotonic()
+            self._last_seen[rank] = (now, requests, hits)
+            if self.straggler is not None:
+                self.straggler.submitted(rank, now)
             ready: list[tuple[SetState, Response]] = []
             for req in requests:
                 self._on_request(rank, req, ready, out)
@@ -629,6 +720,77 @@ class Coordinator:
         if self.settings.stall_check_disable:
             return
         fatal = self.stall.check(self.sets, now)
+        if self.stall.missing and not self._dump_asked:
+            # A stall is reported: every rank dumps its flight recorder and stacks now, while
+            # the picture is fresh (flight_recorder.py); the hung rank cannot, and the
+            # coordinator's own view of it goes into rank 0's dump.
+            self._dump_asked = True
+            for peer in list(self.peers.values()):
+                try:
+                    peer.channel.send((Msg.DUMP, "stall reported"))
+                except OSError:
+                    pass
         if fatal:
+            hung = list(self.stall.missing)
             out: dict = {}
-            self._stop_with(fatal, out)
+            self._stop_with(self._hang_message(hung, now) + "\n" + fatal, out,
+                            {"hung": hung, "dump": "stall shutdown"})
+
+    def _heartbeat(self) -> None:
+        """Once a second: lets every rank tell a quiet coordinator from a hung one (a stopped
+        rank 0 stops its coordinator too; see Engine._check_coordinator)."""
+        for peer in list(self.peers.values()):
+            try:
+                peer.channel.send((Msg.HEARTBEAT,))
+            except OSError:
+                pass
+
+    def _describe_last(self, rank: int, now: float) -> str:
+        seen = self._last_seen.get(rank)
+        if seen is None:
+            return "it has not sent the coordinator any collective yet"
+        names = self._names_of(seen[1], seen[2])
+        shown = ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
+        return f"the last collectives it submitted were {shown or '(none)'}, {now - seen[0]:.1f} s ago"
+
+    def _names_of(self, requests, hits) -> list:
+        names = [r.name for r in requests]
+        for set_id, mask in hits:
+            s = self.sets.get(set_id)
+            while mask and s is not None:
+                low = mask & -mask
+                mask ^= low
+                entry = s.cache.lookup_bit(low.bit_length() - 1)
+                if entry is not None:
+                    names.append(entry.template.names[0])
+        return names
+
+    def _hang_message(self, hung: list, now: float) -> str:
+        """One line per hung rank: who, where, what it last did, what the others wait for."""
+        lines = []
+        for g in hung:
+            peer = self.peers.get(g)
+            where = f"host {peer.hostname}, pid {peer.pid}" if peer else "connection lost"
+            waiting = self.stall.waiting_for.get(g, [])
+            others = sorted(r for r in self.peers if r not in hung)
+            lines.append(
+                f"rank {g} ({where}) stopped making progress (hung): ranks {others} have waited "
+                f"{self.stall.oldest:.0f} s for it to submit {waiting[:4]}; "
+                f"{self._describe_last(g, now)}.")
+        return "\n".join(lines)
+
+    def view(self) -> dict:
+        """What this coordinator last saw from every rank (for the flight-recorder report)."""
+        now = time.monotonic()
+        out = {}
+        peers, last_seen = dict(self.peers), dict(self._last_seen)  # another thread's dicts
+        for g in range(self.size):
+            peer = peers.get(g)
+            seen = last_seen.get(g)
+            out[str(g)] = {
+                "host": peer.hostname if peer else None, "pid": peer.pid if peer else None,
+                "connected": peer is not None,
+                "last_submitted": self._names_of(seen[1], seen[2])[:6] if seen else [],
+                "last_submitted_age_s": round(now - seen[0], 3) if seen else None,
+                "missing_from_stall": self.stall.waiting_for.get(g, [])}
+        return out

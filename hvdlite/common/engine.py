@@ -20,8 +20,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import collectives
-from .exceptions import HorovodInternalError
+from . import collectives, rendezvous
+from .exceptions import HorovodInternalError, HorovodMismatchError
+from .flight_recorder import RECORDER, dump, dump_async
 from .backends.base import DONE
 from .messages import (ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER,
                        BROADCAST, ERROR, JOIN, REDUCESCATTER, REMOVE_PROCESS_SET, TYPE_NAMES,
@@ -40,7 +41,8 @@ SHUT_DOWN_MESSAGE = ("Horovod has been shut down. This was caused by an exceptio
 class Handle:
     """Completion of one enqueue call (one or more tensors)."""
 
-    __slots__ = ("_event", "_pending", "entries", "error", "_lock", "callbacks", "_release")
+    __slots__ = ("_event", "_pending", "entries", "error", "_lock", "callbacks", "_release",
+                 "mismatch")
 
     def __init__(self, entries: list):
         self._event = threading.Event()
@@ -48,6 +50,7 @@ class Handle:
         self._lock = threading.Lock()
         self.entries = entries
         self.error: str | None = None
+        self.mismatch = False       # the error is the coordinator's (ranks disagreed)
         self.callbacks: list[Callable] = []
         self._release: Callable[[], None] | None = None   # frees the names once waited for
 
@@ -58,6 +61,7 @@ class Handle:
         with self._lock:
             if error and self.error is None:
                 self.error = error
+                self.mismatch = True
             self._pending -= 1
             finished = self._pending <= 0
         if finished and not self._event.is_set():
@@ -113,7 +117,7 @@ class Handle:
         if release is not None:
             release()
         if self.error is not None:
-            raise HorovodInternalError(self.error)
+            raise (HorovodMismatchError if self.mismatch else HorovodInternalError)(self.error)
         return [e.result for e in self.entries]
 
     def names(self) -> list:
@@ -130,6 +134,7 @@ class Entry:
     extra: Any = None             # alltoall: received splits
     sent_bit: int = -1            # the cache bit sent instead of the request, if any
     ready_event: Any = None       # CUDA input: event recorded on the caller's stream
+    flight: Any = None            # this collective's flight-recorder record
 
 
 class Engine:
@@ -158,6 +163,11 @@ class Engine:
         self._closed: str | None = None
         self._stopping = False
         self._last_send = 0.0
+        # The coordinator sends at least a heartbeat every second; silence far past the stall
+        # shutdown time means rank 0 is hung (stopped) or unreachable.
+        self._last_heard = time.monotonic()
+        shutdown_s = getattr(settings, "stall_shutdown_s", 0) or 0
+        self._silence_limit_s = shutdown_s + 10.0 if shutdown_s > 0 else 0.0
         # Launched collectives, in launch order, until the finisher completes them.
         self._transport: queue.Queue = queue.Queue(maxsize=64)
         self._in_transport: dict[int, list] = {}
@@ -214,6 +224,7 @@ class Engine:
             handle._release = lambda: self._unreserve(keys)
             for key, e in zip(keys, entries):
                 e.handle = handle
+                e.flight = RECORDER.enqueued(e.request)
                 t = e.tensor
                 if t is not None and getattr(t, "is_cuda", False):
                     # The transport runs on other threads' streams: remember when the caller's
@@ -294,8 +305,17 @@ class Engine:
                 else:
                     try:
                         eof = not self.channel.feed()
+                        self._last_heard = time.monotonic()
                     except OSError:
                         eof = True
+            if self._silence_limit_s and not eof and \
+                    time.monotonic() - self._last_heard > self._silence_limit_s:
+                silent = time.monotonic() - self._last_heard
+                rendezvous.report_hung([0])
+                self._close(f"rank 0 (the coordinator) has sent nothing for {silent:.0f} s, "
+                            f"more than the stall shutdown time + 10 s: it is hung (stopped) "
+                            f"or its host is unreachable. {SHUT_DOWN_MESSAGE}")
+                return
             try:
                 msgs = self.channel.messages()
             except ProtocolError as exc:
@@ -383,8 +403,16 @@ class Engine:
                     return False
             return True
         if kind == Msg.FATAL:
+            if len(msg) > 2 and isinstance(msg[2], dict):
+                if msg[2].get("dump"):
+                    dump(msg[2]["dump"])  # now, before closing changes the records' states
+                if msg[2].get("hung"):
+                    # Elastic: the next join request names them, so the driver ends them.
+                    rendezvous.report_hung(msg[2]["hung"])
             self._close(msg[1])
             return False
+        if kind == Msg.DUMP:
+            dump_async(msg[1])  # the coordinator saw a stall: flight-recorder dump
         return True
 
     # ------------------------------------------------------------------ execution
@@ -406,9 +434,13 @@ class Engine:
         if resp.type == ERROR:
             for e in self._pop(set_id, resp.names):
                 if e is not None:
+                    RECORDER.finished(e.flight, resp.error)
                     e.handle._complete_one(resp.error)
             return
         entries = self._pop(set_id, resp.names)
+        for e in entries:
+            if e is not None:
+                RECORDER.started(e.flight)
         if resp.cache_bits:
             self.cache.learn(resp, {e.request.name: e.request for e in entries if e is not None})
         if resp.type in (JOIN, BARRIER):
@@ -417,6 +449,7 @@ class Engine:
             for e in entries:
                 if e is not None:
                     e.result = resp.last_joined_rank if resp.type == JOIN else None
+                    RECORDER.finished(e.flight)
                     e.handle._complete_one()
             return
         if resp.type == ADD_PROCESS_SET:
@@ -425,6 +458,7 @@ class Engine:
             for e in entries:
                 if e is not None:
                     e.result = sid
+                    RECORDER.finished(e.flight)
                     e.handle._complete_one()
             return
         if resp.type == REMOVE_PROCESS_SET:
@@ -439,6 +473,7 @@ class Engine:
             for e in entries:
                 if e is not None:
                     e.result = sid
+                    RECORDER.finished(e.flight)
                     e.handle._complete_one()
             return
         if any(e is None for e in entries) and (resp.type != ALLREDUCE or not resp.joined):
@@ -496,6 +531,7 @@ class Engine:
             entries = self._in_transport.pop(seq, [])
             self._idle.notify_all()
         for e in entries:
+            RECORDER.finished(e.flight)
             e.handle._complete_one()
 
     def _op_failed(self, seq: int, resp: Response, tl, exc: Exception) -> None:
@@ -534,4 +570,5 @@ class Engine:
             self._inflight.clear()
             self._queue.clear()
         for e in pending:
+            RECORDER.finished(e.flight, reason)
             e.handle._fail(reason)

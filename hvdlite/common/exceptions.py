@@ -8,6 +8,12 @@ class HorovodInternalError(RuntimeError):
     """
 
 
+class HorovodMismatchError(HorovodInternalError):
+    """The ranks disagreed about a collective (shape, dtype, op, root, ...): the coordinator's
+    error response, raised on every rank of the set. A HorovodInternalError as in Horovod; the
+    TensorFlow frontend reports it as tf.errors.FailedPreconditionError, as Horovod's kernels."""
+
+
 class HostsUpdatedInterrupt(RuntimeError):
     """Hosts were added or removed; elastic training re-forms the job without restoring state."""
 

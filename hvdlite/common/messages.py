@@ -71,6 +71,9 @@ class Request:
     splits: tuple | None = None    # alltoall: rows sent to each rank of the set
     cacheable: bool = True         # False for auto-named requests (names change every call)
     extra: Any = None              # add/remove process set payload
+    invalid: str | None = None     # this rank's own argument error (checked before sending): the
+                                   # coordinator fails the collective on every rank, so no peer
+                                   # waits for a tensor this rank will never send
 
     def signature(self) -> tuple:
         """What must stay equal for a cached response to be reused."""

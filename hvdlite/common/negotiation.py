@@ -33,6 +33,11 @@ def construct_response(name: str, requests: dict[int, Request], set_ranks: list[
     g = set_ranks  # set rank -> global rank
     op = TYPE_NAMES[first.type]
 
+    for r in order:
+        if requests[r].invalid:
+            return _error(name, requests[r],
+                          f"{TYPE_NAMES[requests[r].type]} of tensor '{name}' was called with "
+                          f"invalid arguments on rank {g[r]}: {requests[r].invalid}")
     for r in order[1:]:
         req = requests[r]
         if req.type != first.type:

@@ -20,6 +20,7 @@ import torch
 from . import adasum as _adasum
 from . import basics as _basics
 from . import naming
+from . import validation as _validation
 from .collectives import DTYPE_NAMES
 from .engine import Entry
 from .messages import (ADASUM, ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BARRIER,
@@ -147,6 +148,8 @@ def check_reduce_op(op, process_set=None, buffers: Sequence[Buffer] = (),
                 raise ValueError(f"op=Adasum needs floating-point tensors (float16, bfloat16, "
                                  f"float32 or float64); got {t.dtype}.")
         return
+    if op == ADASUM and what == "reducescatter":   # Horovod: RuntimeError
+        raise RuntimeError("reducescatter does not support op=Adasum; use Average or Sum")
     if op not in REDUCE_OPS:
         if what == "allreduce":
             raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Min, Max or "
@@ -258,11 +261,26 @@ def reducescatter(buffers: Sequence[Buffer], *, names: Names = None, op: int = A
 
 
 def alltoall(buffer: Buffer, splits: Optional[Sequence[int]] = None, *, names: Names = None,
-             process_set=None) -> Handle:
+             process_set=None, splits_dtype: Optional[str] = None) -> Handle:
     """Rows `splits[i]` go to set rank i (default: equal parts). Result: (output, received
-    splits as an int32 buffer). Never cached: splits may change every call."""
+    splits as an int32 buffer). Never cached: splits may change every call. `splits_dtype` is
+    the dtype name of a splits tensor (Horovod takes int32 only)."""
     check_rank(buffer, "alltoall")
-    split_list = None if splits is None else tuple(int(s) for s in splits)
+    try:
+        split_list = _validation.alltoall_splits(splits, int(buffer.shape[0]),
+                                                 len(set_ranks(process_set)),
+                                                 dtype=splits_dtype)
+    except ValueError as exc:
+        # Raise here, as Horovod's enqueue does, but tell the other ranks first: they have
+        # submitted (or will submit) this name and would otherwise wait for it until the stall
+        # shutdown time. The coordinator turns `invalid` into an error on every rank.
+        (req,) = _requests("alltoall", ALLTOALL, [buffer], names, process_set, None, False)
+        req.invalid = str(exc)
+        try:
+            _submit([Entry(req, _contiguous(buffer))]).wait()
+        except Exception:
+            pass
+        raise exc
     (req,) = _requests("alltoall", ALLTOALL, [buffer], names, process_set, None, False,
                        splits=split_list)
     entry = Entry(req, _contiguous(buffer))

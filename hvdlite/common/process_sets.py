@@ -1,7 +1,7 @@
 """Process sets: subsets of ranks with their own negotiation and communicator (Horovod's API)."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterable, Optional
 
 
 class ProcessSet:
@@ -17,16 +17,10 @@ class ProcessSet:
     mpi_comm = None
 
     def __init__(self, ranks_or_comm):
-        if isinstance(ranks_or_comm, Sequence) and not isinstance(ranks_or_comm, str):
-            ranks = [int(r) for r in ranks_or_comm]
-            if len(set(ranks)) != len(ranks):
-                raise ValueError(f"ProcessSet ranks must be distinct, got {list(ranks_or_comm)}")
-            self.ranks = sorted(ranks)
-        elif hasattr(ranks_or_comm, "Get_rank") and hasattr(ranks_or_comm, "Get_size"):
+        if hasattr(ranks_or_comm, "Get_rank") and hasattr(ranks_or_comm, "Get_size"):
             self.mpi_comm = ranks_or_comm
         else:
-            raise ValueError("ProcessSet should be initialized with a list of process ranks or an "
-                             "mpi4py Comm object")
+            self.ranks = _rank_list(ranks_or_comm)
 
     def _invalidate(self) -> None:
         self.process_set_id = None
@@ -66,6 +60,25 @@ class ProcessSet:
 
     def __hash__(self) -> int:
         return hash((self.process_set_id, tuple(self.ranks or ())))
+
+
+def _rank_list(ranks: Iterable) -> list:
+    """Horovod sorts any iterable of ranks (list, range, reversed(...), set, numpy array,
+    tensor), so a permuted set equals the sorted one."""
+    if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+        raise ValueError("ProcessSet should be initialized with a list of process ranks or an "
+                         "mpi4py Comm object")
+    try:
+        items = list(ranks)
+        out = [int(r) for r in items]
+        bad = [r for r, i in zip(items, out) if float(r) != i]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"ProcessSet ranks must be integers: {exc}") from None
+    if bad:
+        raise ValueError(f"ProcessSet ranks must be integers, got {bad}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"ProcessSet ranks must be distinct, got {out}")
+    return sorted(out)
 
 
 global_process_set = ProcessSet([])

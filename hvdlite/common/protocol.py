@@ -8,6 +8,7 @@
      |<-------------------- RESPONSES [item, ...] ---|     items tagged with `Item`, in order
      |-- FAILED message / SHUTDOWN ----------------->|
      |<------------------------------- FATAL message |     every pending handle fails
+     |<-------------------------- DUMP / HEARTBEAT --|     a stall was seen / once a second
 
 The payloads are `messages.Request` and `messages.Response`. Members are `str` values, so a
 member compares equal to its one- or two-letter tag (a peer that sends the bare tag is
@@ -33,7 +34,13 @@ class Msg(_Tag):
     RESPONSES = "R"      # coordinator -> rank: ("R", [item, ...]), items tagged by `Item`
     SHUTDOWN = "S"       # rank -> coordinator: ("S",) this rank leaves cleanly
     FAILED = "X"         # rank -> coordinator: ("X", message) a collective failed on this rank
-    FATAL = "F"          # coordinator -> rank: ("F", message) the job failed; fail everything
+    FATAL = "F"          # coordinator -> rank: ("F", message[, {"hung": [ranks], "dump": why}])
+    #                      the job failed; fail everything (hung ranks go to the elastic driver,
+    #                      "dump" asks for a flight-recorder dump first)
+    DUMP = "D"           # coordinator -> rank: ("D", why) a stall was reported: dump the flight
+    #                      recorder and every thread's stack (flight_recorder.py)
+    HEARTBEAT = "K"      # coordinator -> rank: ("K",) once a second, so a rank can tell a quiet
+    #                      coordinator from a hung rank 0
     TIMELINE = "TL"      # rank -> coordinator: ("TL", *args) timeline control on rank 0
 
 

@@ -179,6 +179,29 @@ class WorkerRemoved(SystemExit):
         return self.message
 
 
+class RoundAborted(HorovodInternalError):
+    """The driver aborted the elastic round this worker was initialising for (a member died
+    or hung during init()); init() asks for the next round."""
+
+
+def round_aborted(ident: Identity, wait_s: float = 0.0) -> Optional[str]:
+    """Why the driver aborted `ident`'s elastic round, or None. With wait_s, wait that long
+    for the driver's word (a failure seen here may reach the driver a moment later)."""
+    link = _link
+    if link is None or ident.round is None:
+        return None
+    return link.aborted(ident.round, wait_s)
+
+
+def report_hung(ranks: list) -> None:
+    """Ranks of the current round that the coordinator found hung (stalled past the stall
+    shutdown time): the next join request names them, so the driver ends those processes."""
+    link = _link
+    if link is not None:
+        with link._cond:
+            link.suspects = sorted(set(link.suspects) | {int(r) for r in ranks})
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     data = bytearray()
     while len(data) < n:
@@ -217,7 +240,7 @@ def client_handshake(sock: socket.socket, key: bytes, hello: Any, timeout: float
     sock.settimeout(timeout)
     head = _recv_exact(sock, len(_MAGIC) + _NONCE)
     if not head.startswith(_MAGIC):
-        raise ProtocolError("the peer is not an hvdlite-run driver")
+        raise ProtocolError("the peer is not an hvdlite control endpoint")
     client_nonce = os.urandom(_NONCE)
     sock.sendall(client_nonce)
     sock.settimeout(None)
@@ -234,12 +257,31 @@ def is_elastic_worker() -> bool:
     return bool(os.environ.get(ELASTIC_WORKER_ENV))
 
 
-def _job_secret() -> bytes:
+def job_secret() -> bytes | None:
+    """The job secret from HVDLITE_SECRET (hex or text), or from the file HVDLITE_SECRET_FILE
+    names; None when neither is set. hvdlite-run always sets HVDLITE_SECRET; under torchrun or
+    Horovod's variables the user may set either on every rank."""
     secret = os.environ.get("HVDLITE_SECRET", "")
+    path = os.environ.get("HVDLITE_SECRET_FILE", "")
+    if not secret and path:
+        try:
+            with open(path, "rb") as f:
+                raw = f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"HVDLITE_SECRET_FILE={path!r} cannot be read: {exc}") from None
+        if not raw:
+            raise ValueError(f"HVDLITE_SECRET_FILE={path!r} is empty")
+        secret = raw.decode(errors="surrogateescape")
+    if not secret:
+        return None
     try:
         return bytes.fromhex(secret)
     except ValueError:
-        return secret.encode()
+        return secret.encode(errors="surrogateescape")
+
+
+def _job_secret() -> bytes:
+    return job_secret() or b""
 
 
 class DriverLink:
@@ -256,6 +298,8 @@ class DriverLink:
         # Host updates of the current round, replayed to listeners that register late (a
         # worker can hear of a change before its training function is entered).
         self._updates: list[tuple[int, int]] = []
+        self._aborted: dict[int, str] = {}     # round -> why the driver aborted it
+        self.suspects: list[int] = []          # hung ranks to report with the next join
         try:
             sock = socket.create_connection((addr, port), timeout=timeout_s)
             hello = ("HELLO", worker_id, os.environ.get(ELASTIC_SPAWN_ENV, ""), os.getpid(),
@@ -311,6 +355,10 @@ class DriverLink:
             with self._cond:
                 self._reply = msg
                 self._cond.notify_all()
+        elif kind == "R":
+            with self._cond:
+                self._aborted[int(msg[1])] = str(msg[2])
+                self._cond.notify_all()
         elif kind == "U":
             with self._cond:
                 self._updates.append((int(msg[1]), int(msg[2])))
@@ -322,13 +370,22 @@ class DriverLink:
                     log.exception("hvdlite: host-update listener failed")
 
     # -- rounds ----------------------------------------------------------------------------
+    def aborted(self, round_: int, wait_s: float = 0.0) -> Optional[str]:
+        with self._cond:
+            if round_ not in self._aborted and wait_s > 0:
+                self._cond.wait_for(lambda: round_ in self._aborted or self._closed is not None,
+                                    wait_s)
+            return self._aborted.get(round_)
+
     def join(self) -> dict:
         """Block until the driver places this worker in a new round; returns the assignment."""
         with self._cond:
             self._reply = None
             if self._closed is not None:
                 raise HorovodInternalError(f"the hvdlite-run driver is gone: {self._closed}")
-        self.channel.send(("J", self.round))
+        with self._cond:
+            suspects, self.suspects = self.suspects, []
+        self.channel.send(("J", self.round, suspects))
         with self._cond:
             while self._reply is None and self._closed is None:
                 self._cond.wait()

@@ -21,6 +21,9 @@ class StallInspector:
                         self.warning_s)
             self.shutdown_s = 0
         self.last_warning = 0.0
+        self.missing: list[int] = []
+        self.waiting_for: dict[int, list[str]] = {}
+        self.oldest = 0.0
 
     def check(self, sets: dict, now: float) -> str | None:
         """Log a warning for stalls older than the warning time; return a fatal message when a
@@ -53,6 +56,11 @@ class StallInspector:
                         submitted.setdefault(g, []).append(name)
                     elif idx not in s.joined:
                         report.setdefault(g, []).append(name)
+        # Ranks missing from a stall at least warning-time old, and what the others wait for
+        # (read by the coordinator to name a hung rank and by the flight-recorder report).
+        self.missing = sorted(report)
+        self.waiting_for = {g: list(names) for g, names in report.items()}
+        self.oldest = oldest
         if not report:
             return None
         lines = []
@@ -72,6 +80,11 @@ class StallInspector:
                     f"(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS): shutting the job down.")
         if now - self.last_warning >= self.warning_s:
             self.last_warning = now
-            log.warning("%s\nThe job goes on waiting; set HOROVOD_STALL_SHUTDOWN_TIME_SECONDS to "
-                        "fail it instead.", text)
+            if self.shutdown_s > 0:
+                what = (f"The job is shut down once the stall reaches {self.shutdown_s:.0f} s "
+                        f"(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS).")
+            else:
+                what = ("The job goes on waiting; set HOROVOD_STALL_SHUTDOWN_TIME_SECONDS to "
+                        "fail it instead.")
+            log.warning("%s\n%s", text, what)
         return None

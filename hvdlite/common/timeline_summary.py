@@ -339,10 +339,28 @@ def main(argv: list[str] | None = None) -> int:
         prog="hvdlite-timeline",
         description="Summarise an hvdlite/Horovod timeline (HOROVOD_TIMELINE): time per phase "
                     "and per tensor, the ranks others waited for, and what was still running.")
-    parser.add_argument("file", help="the timeline JSON file (a truncated one is fine)")
+    parser.add_argument("file", nargs="?",
+                        help="the timeline JSON file (a truncated one is fine)")
     parser.add_argument("--top", type=int, default=10, help="tensors to list (default 10)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--flight", metavar="DIR",
+                        help="print the hang report from the flight-recorder dumps in DIR "
+                             "(flight.rank*.json, written on a stall, SIGUSR1 or Ctrl-C)")
     args = parser.parse_args(argv)
+    if args.flight:
+        from hvdlite.runner.hang_report import build_report, load_dumps
+
+        if args.json:
+            print(json.dumps(load_dumps(args.flight), indent=2, default=str))
+            return 0
+        report = build_report(args.flight)
+        if report is None:
+            print(f"hvdlite-timeline: no flight-recorder dumps in {args.flight}", file=sys.stderr)
+            return 2
+        print(report)
+        return 0
+    if not args.file:
+        parser.error("a timeline file (or --flight DIR) is required")
     try:
         s = summarize(args.file)
     except (OSError, ValueError) as exc:

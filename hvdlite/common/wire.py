@@ -2,12 +2,16 @@
 
 A plain socket round trip costs ~30 µs here, against ~0.1-2 ms for a gloo collective, so
 negotiation travels on its own sockets. Each frame's MAC covers a per-direction sequence number,
-so a forged or replayed frame is rejected before anything is unpickled.
+so a forged or replayed frame is rejected before anything is unpickled; a frame larger than
+MAX_FRAME is refused from its header, before its payload is buffered. The key of a channel is a
+per-connection key from the nonce handshake in rendezvous.py (server_handshake/client_handshake),
+used by the driver's endpoint and the coordinator alike.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import pickle
 import socket
 import struct
@@ -15,6 +19,9 @@ import threading
 
 _HEADER = struct.Struct("!IQ")       # payload length, sequence number
 _MAC_LEN = 32
+# No control message comes near this; a header announcing more is refused before the payload is
+# buffered, so a stranger cannot make a rank allocate gigabytes.
+MAX_FRAME = int(os.environ.get("HVDLITE_MAX_FRAME_BYTES") or (64 << 20))
 
 
 class ProtocolError(ConnectionError):
@@ -30,6 +37,7 @@ class Channel:
         self.send_seq = 0
         self.recv_seq = 0
         self._buf = bytearray()
+        self._pending: list = []      # verified messages read ahead by recv_blocking
         self._send_lock = threading.Lock()
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -57,12 +65,16 @@ class Channel:
 
     def messages(self) -> list:
         """Complete messages buffered so far, verified and unpickled, in order."""
-        out = []
+        out, self._pending = self._pending, []
         buf = self._buf
         pos = 0
         hlen = _HEADER.size
         while len(buf) - pos >= hlen + _MAC_LEN:
             length, seq = _HEADER.unpack_from(buf, pos)
+            if length > MAX_FRAME:
+                raise ProtocolError(
+                    f"rejected a control message from {self._peer()}: oversized frame "
+                    f"({length} bytes announced, the cap is {MAX_FRAME}; HVDLITE_MAX_FRAME_BYTES)")
             end = pos + hlen + _MAC_LEN + length
             if len(buf) < end:
                 break
@@ -81,14 +93,14 @@ class Channel:
         return out
 
     def recv_blocking(self, timeout: float):
-        """Wait for exactly one message (handshakes only)."""
+        """Wait for the next message (handshakes only); later ones that arrived with it stay
+        for messages()."""
         self.sock.settimeout(timeout)
         try:
             while True:
                 msgs = self.messages()
                 if msgs:
-                    if len(msgs) > 1:
-                        raise ProtocolError("unexpected extra messages during handshake")
+                    self._pending = msgs[1:]
                     return msgs[0]
                 if not self.feed():
                     raise ConnectionError(f"connection to {self._peer()} closed during handshake")

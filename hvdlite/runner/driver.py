@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from hvdlite.runner import secret
+from hvdlite.runner import hang_report, secret
 from hvdlite.runner.hosts import SlotInfo, driver_address_for, is_local_host
 from hvdlite.runner.local import (LaunchError, Spawner, SSHSettings, kill, remote_host,
                                   spawner_for, terminate)
@@ -174,6 +174,11 @@ class _Job:
         self.console = console or Console()
         self.events: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
         self.ranks: list[_Rank] = []
+        # Flight-recorder dumps of this job's ranks (hang_report.py); kept only when written.
+        self.flight_dir = ""                  # made in run(), once ranks will start
+        self._own_flight_dir = False
+        self.hang_limit_s = hang_report.stall_shutdown_s(spec.env)
+        self.stopped = hang_report.StoppedWatch()
 
     # -- signals ---------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -206,6 +211,8 @@ class _Job:
         if self.spec.verbose:
             self.console.message(f"{self.spec.name}: rendezvous store listening on "
                                  f"{self.rdv.bind}:{self.rdv.port}")
+        self.flight_dir, self._own_flight_dir = hang_report.flight_dir_for(self.spec.env)
+        self.spec.env = dict(self.spec.env, **{hang_report.FLIGHT_DIR_ENV: self.flight_dir})
         previous = self._install_handlers()
         try:
             result = self._start(spawners)
@@ -217,6 +224,7 @@ class _Job:
             self._restore_handlers(previous)
             for r in self.ranks:
                 r.output.join(2.0)
+            self._report_hang()
         result.returncodes = {r.slot.rank: r.returncode for r in self.ranks}
         return result
 
@@ -264,8 +272,13 @@ class _Job:
             try:
                 kind, obj = self.events.get(timeout=1.0)
             except queue.Empty:
+                hung = self._check_stopped()
+                if hung is not None:
+                    self._stop()
+                    return JobResult(exit_code=1, failed_rank=hung)
                 continue
             if kind == "signal":
+                self._ask_dumps()
                 stopped = self._stop()
                 self.console.message(f"{self.spec.name}: interrupted, stopped {stopped} ranks")
                 return JobResult(exit_code=128 + obj, interrupted_by=obj)
@@ -290,7 +303,16 @@ class _Job:
         if not live:
             return 0
         for r in live:
-            terminate(r.proc)
+            if remote_host(r.proc) is None and hang_report.process_stopped(r.proc.pid):
+                # A stopped process ignores SIGTERM until it is continued: it would outlive
+                # the grace period, so it gets SIGKILL now.
+                self.console.message(
+                    f"{self.spec.name}: rank {r.slot.rank} "
+                    f"({describe_process(r.proc, r.slot.hostname)}) is stopped (hung): "
+                    f"killing it with SIGKILL")
+                kill(r.proc)
+            else:
+                terminate(r.proc)
         remote = any(remote_host(r.proc) is not None for r in live)
         deadline = time.monotonic() + (REMOTE_TERMINATE_GRACE_S if remote else TERMINATE_GRACE_S)
         while any(not r.done.is_set() for r in live):
@@ -310,6 +332,32 @@ class _Job:
             r.done.wait(10.0)
         self._sweep_groups(deadline)
         return len(live)
+
+    def _check_stopped(self) -> Optional[int]:
+        """A local rank stopped for longer than the stall shutdown time is hung: end the job
+        (it is also what ends a job whose rank 0, the coordinator, is the one stopped)."""
+        for r in self.ranks:
+            if r.done.is_set() or remote_host(r.proc) is not None:
+                continue
+            if self.hang_limit_s > 0 and self.stopped.stopped_for(r.proc.pid) > self.hang_limit_s:
+                self.console.message(
+                    f"{self.spec.name}: rank {r.slot.rank} "
+                    f"({describe_process(r.proc, r.slot.hostname)}) has been stopped (hung) for "
+                    f"more than the stall shutdown time ({self.hang_limit_s:.0f} s); stopping "
+                    f"the job")
+                self._ask_dumps()
+                return r.slot.rank
+        return None
+
+    def _ask_dumps(self) -> None:
+        """Every live local rank dumps its flight recorder and stacks (SIGUSR1)."""
+        hang_report.ask_dumps([r.proc.pid for r in self.ranks
+                               if not r.done.is_set() and remote_host(r.proc) is None],
+                              self.flight_dir)
+
+    def _report_hang(self) -> None:
+        hang_report.finish(self.flight_dir, self._own_flight_dir, len(self.spec.slots),
+                           lambda text: self.console.message(f"{self.spec.name}: {text}"))
 
     def _sweep_groups(self, grace_until: float) -> None:
         """Stop what the ranks left behind in their process groups (orphaned children)."""

@@ -38,17 +38,18 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from hvdlite.common.elastic import HostUpdateResult
+from hvdlite.runner import hang_report
 from hvdlite.runner.control import ControlServer, WorkerConnection
 from hvdlite.runner.discovery import (DEFAULT_INTERVAL_S, Blacklist, DiscoveryError, FixedHosts,
                                       HostDiscoveryScript)
 from hvdlite.runner.driver import (REMOTE_TERMINATE_GRACE_S, TERMINATE_GRACE_S, Rendezvous,
                                    exit_description, shell_exit_code)
 from hvdlite.runner.hosts import is_local_host
-from hvdlite.runner.local import (SSHSettings, find_command, kill, remote_host, spawner_for,
-                                  terminate)
+from hvdlite.runner.local import (Spawner, SSHSettings, find_command, kill, remote_host,
+                                  spawner_for, terminate)
 from hvdlite.runner.output import Console, RankOutput
 from hvdlite.runner.worker_env import elastic_env
 
@@ -74,6 +75,9 @@ class ElasticSpec:
     name: str = "hvdlite-run"
     ssh: SSHSettings = field(default_factory=SSHSettings)
     discovery_interval: float = DEFAULT_INTERVAL_S
+    # host -> how to start a worker there; None: this machine directly, others over ssh.
+    # hvdlite.ray plugs in Ray actors here (with its own discovery and rendezvous).
+    spawner: Optional[Callable[[str], Spawner]] = None
 
 
 @dataclass
@@ -146,6 +150,13 @@ class ElasticDriver:
         self.failed_since_round = False
         self._stop_discovery = threading.Event()
         self._discovery_error: Optional[str] = None
+        # Hung workers: named by the survivors' coordinator (a stall past the shutdown time),
+        # or seen stopped here for that long (which also covers a stopped rank 0).
+        self.hang_limit_s = hang_report.stall_shutdown_s(spec.env)
+        self.stopped = hang_report.StoppedWatch()
+        self.flight_dir: Optional[str] = None       # made in run(), once workers will start
+        self._own_flight_dir = False
+        self._dumps_asked = False
 
     # ------------------------------------------------------------------ helpers
     def _say(self, text: str) -> None:
@@ -167,7 +178,8 @@ class ElasticDriver:
             self._say(f"elastic: {exc}")
             return ElasticResult(exit_code=EXIT_STOPPED, message=str(exc))
         self._on_hosts(first, announce=False)
-        if any(is_local_host(h) for h in first) and find_command(spec.command[0]) is None:
+        if spec.spawner is None and any(is_local_host(h) for h in first) \
+                and find_command(spec.command[0]) is None:
             program = spec.command[0]
             if os.sep in program and os.path.exists(program):
                 self._say(f"command {program!r} is not an executable file")
@@ -187,6 +199,8 @@ class ElasticDriver:
         if self.rdv is None:
             self.rdv = Rendezvous(list(first), spec.start_timeout, spec.nics,
                                   all_interfaces=not all_local)
+        self.flight_dir, self._own_flight_dir = hang_report.flight_dir_for(spec.env)
+        spec.env = dict(spec.env, **{hang_report.FLIGHT_DIR_ENV: self.flight_dir})
         self.server = ControlServer(self.rdv.key, self.events.put,
                                     bind="127.0.0.1" if all_local else "0.0.0.0")
         self._verbose(f"elastic: store at port {self.rdv.port}, control endpoint at port "
@@ -204,6 +218,12 @@ class ElasticDriver:
             self._restore_handlers(previous)
             for w in list(self.workers.values()) + self.retired:
                 w.output.join(2.0)
+            if self._dumps_asked:
+                hang_report.finish(self.flight_dir, self._own_flight_dir, None,
+                                   lambda text: self._say(text))
+            elif self._own_flight_dir:
+                import shutil
+                shutil.rmtree(self.flight_dir, ignore_errors=True)
         assert self.result is not None
         self.result.rounds = self.round
         self.result.resets = self.resets
@@ -251,6 +271,7 @@ class ElasticDriver:
     def _handle(self, event: tuple) -> None:
         kind = event[0]
         if kind == "signal":
+            self._ask_dumps()
             self._say(f"interrupted, stopping {len([w for w in self.workers.values() if w.alive])}"
                       f" workers")
             self.result = ElasticResult(exit_code=128 + event[1], interrupted_by=event[1])
@@ -304,6 +325,8 @@ class ElasticDriver:
         if w is None or w.conn is not conn:
             return
         if isinstance(msg, tuple) and msg and msg[0] == "J":
+            if len(msg) > 2 and msg[2]:
+                self._evict_named(w, msg[1], msg[2])
             if self.finishing:
                 self._dismiss(w, "the job is finishing")
             elif w.status == "removed":
@@ -311,6 +334,63 @@ class ElasticDriver:
             else:
                 w.status = "waiting"
                 self._verbose(f"elastic: {w.wid} asks to join round {self.round + 1}")
+
+    def _evict_named(self, reporter: _Worker, round_: Any, ranks: Any) -> None:
+        """A survivor's coordinator found these ranks of `round_` hung (stalled past the stall
+        shutdown time)."""
+        for r in ranks:
+            for w in list(self.workers.values()):
+                if w.round == round_ and w.rank == r and w.alive and w.status == "running":
+                    self._evict_hung(w, f"rank {r} made no progress for the stall shutdown time "
+                                        f"({self.hang_limit_s:.0f} s), as its peers' "
+                                        f"coordinator reported")
+
+    def _evict_hung(self, w: _Worker, why: str) -> None:
+        """End a hung worker as a failed one: SIGKILL (a stopped process ignores SIGTERM),
+        blacklist its host with the cooldown, and let the others re-form without it."""
+        if w.status == "removed" or not w.alive:
+            return
+        text = f"{w.describe()} hung: {why}"
+        w.failed = True
+        self.failures.append(text)
+        self.failed_since_round = True
+        if self.first_failure_code is None:
+            self.first_failure_code = 1
+        delay = self.blacklist.add(w.host)
+        how_long = "for the rest of the job" if delay is None else f"for {delay:.0f} s"
+        self._say(f"elastic: {text}; killing it (SIGKILL) and blacklisting host {w.host} "
+                  f"{how_long}")
+        w.status = "removed"
+        kill(w.proc)
+        self._abort_round(w, text)
+
+    def _abort_round(self, failed: _Worker, text: str) -> None:
+        """Tell the other members of the failed worker's round: any of them still in init()
+        for it gives up at once and asks for the next round (rendezvous.RoundAborted)."""
+        if failed.round is None or failed.round != self.round:
+            return
+        for w in self.workers.values():
+            if w is not failed and w.alive and w.round == self.round and w.conn is not None \
+                    and w.status == "running":
+                w.conn.send(("R", self.round, f"round {self.round} was aborted: {text}"))
+
+    def _ask_dumps(self) -> None:
+        """On an interrupt: every live local worker dumps its flight recorder and stacks."""
+        self._dumps_asked = True
+        hang_report.ask_dumps([w.proc.pid for w in self.workers.values()
+                               if w.alive and w.proc is not None and not w.done.is_set()
+                               and remote_host(w.proc) is None], self.flight_dir)
+
+    def _check_stopped(self) -> None:
+        if self.finishing or self.hang_limit_s <= 0:
+            return
+        now = time.monotonic()
+        for w in self._live():
+            if remote_host(w.proc) is not None or w.proc is None:
+                continue
+            if self.stopped.stopped_for(w.proc.pid, now) > self.hang_limit_s:
+                self._evict_hung(w, f"its process has been stopped for more than the stall "
+                                    f"shutdown time ({self.hang_limit_s:.0f} s)")
 
     def _dismiss(self, w: _Worker, why: str) -> None:
         w.status = "removed"
@@ -344,9 +424,11 @@ class ElasticDriver:
         delay = self.blacklist.add(w.host)
         how_long = "for the rest of the job" if delay is None else f"for {delay:.0f} s"
         self._say(f"elastic: {text}; blacklisting host {w.host} {how_long}")
+        self._abort_round(w, text)
 
     # ------------------------------------------------------------------ decisions
     def _advance(self) -> None:
+        self._check_stopped()
         now = time.monotonic()
         for host in self.blacklist.expired(now):
             self._say(f"elastic: host {host} is back after its blacklist cooldown")
@@ -541,7 +623,8 @@ class ElasticDriver:
                           self.server.port, spec.start_timeout, self.rdv.key.hex(), spec.nics)
         self._verbose(f"elastic: starting worker {wid}: {' '.join(spec.command)}")
         try:
-            proc = spawner_for(host, spec.ssh)(spec.command, env)
+            spawn = spec.spawner(host) if spec.spawner is not None else spawner_for(host, spec.ssh)
+            proc = spawn(spec.command, env)
         except OSError as exc:
             # The command cannot run here at all: retrying elsewhere will not help.
             self._stop(f"elastic: cannot start worker {wid}: {spec.command[0]}: {exc.strerror}",

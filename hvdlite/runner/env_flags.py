@@ -52,6 +52,7 @@ ENV_FLAGS: tuple[EnvFlag, ...] = (
     EnvFlag("no_stall_check", "STALL_CHECK_DISABLE", _flag01),
     EnvFlag("stall_check_warning_time_seconds", "STALL_CHECK_TIME_SECONDS"),
     EnvFlag("stall_check_shutdown_time_seconds", "STALL_SHUTDOWN_TIME_SECONDS"),
+    EnvFlag("straggler_report", "STRAGGLER_REPORT"),
     # library options
     EnvFlag("mpi_threads_disable", "MPI_THREADS_DISABLE", _flag01),
     EnvFlag("num_nccl_streams", "NUM_NCCL_STREAMS"),

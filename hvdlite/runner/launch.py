@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     stall.add_argument("--stall-check-shutdown-time-seconds",
                        dest="stall_check_shutdown_time_seconds", type=int,
                        help="Seconds of stall before the job is shut down.")
+    stall.add_argument("--straggler-report", dest="straggler_report", type=float,
+                       metavar="SECONDS",
+                       help="Every SECONDS, print each rank's time to submit the same tensors "
+                            "relative to the median rank (HVDLITE_STRAGGLER_REPORT).")
 
     lib = p.add_argument_group("library arguments")
     _bool_pair(lib, "mpi-threads-disable", "mpi_threads_disable",
@@ -215,6 +219,7 @@ _NUMBERS: tuple[tuple[str, type, float, Optional[float]], ...] = (
     ("autotune_gaussian_process_noise", float, 0, 1),
     ("stall_check_warning_time_seconds", int, 0, None),
     ("stall_check_shutdown_time_seconds", int, 0, None), ("num_nccl_streams", int, 1, None),
+    ("straggler_report", float, 0, None),
     ("gloo_timeout_seconds", int, 1, None), ("elastic_timeout", int, 0, None),
     ("reset_limit", int, 0, None), ("ccl_bgt_affinity", int, 0, None),
 )

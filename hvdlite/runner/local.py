@@ -66,7 +66,11 @@ def _killpg(pgid: int, sig: int) -> None:
 
 def terminate(proc: subprocess.Popen) -> None:
     """Ask a rank to stop: SIGTERM to its process group, or for a remote rank, close the ssh
-    client's stdin (the remote side then SIGTERMs, and SIGKILLs after its grace period)."""
+    client's stdin (the remote side then SIGTERMs, and SIGKILLs after its grace period).
+    A worker that is not a process of ours (hvdlite.ray's actors) stops itself: `hvdlite_stop`."""
+    if hasattr(proc, "hvdlite_stop"):
+        proc.hvdlite_stop(False)
+        return
     if remote_host(proc) is not None and proc.stdin is not None:
         try:
             proc.stdin.close()
@@ -79,6 +83,9 @@ def terminate(proc: subprocess.Popen) -> None:
 def kill(proc: subprocess.Popen) -> None:
     """Stop a rank now. For a remote rank this kills the ssh client; the remote side sees the
     connection close and stops the rank itself."""
+    if hasattr(proc, "hvdlite_stop"):
+        proc.hvdlite_stop(True)
+        return
     if remote_host(proc) is not None and proc.stdin is not None:
         try:
             proc.stdin.close()

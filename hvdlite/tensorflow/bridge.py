@@ -19,6 +19,7 @@ from ..common import naming as _naming
 from ..common import ops as _cops
 from ..common.messages import ADASUM, AVERAGE, MAX, MIN, PRODUCT, SUM
 from ..common.process_sets import global_process_set
+from . import errors as _errors
 
 # TensorFlow dtypes the engine carries as they are.
 _DTYPE_NAMES = {tf.uint8: "uint8", tf.int8: "int8", tf.int16: "int16", tf.int32: "int32",
@@ -157,7 +158,7 @@ def _run(what: str, fn, inputs: list, tout: list, shapes: list) -> list:
     """Run `fn` (eager tensors in, list of eager tensors out) now, or add it to the graph that is
     being built as a node that runs it every time the graph runs."""
     if tf.executing_eagerly():
-        return list(fn(*inputs))
+        return _errors.call_eager(fn, inputs)
     graph = tf.compat.v1.get_default_graph()
     if _in_xla(graph):
         raise ValueError(_XLA_MESSAGE.format(what=what))
@@ -171,8 +172,10 @@ def _run(what: str, fn, inputs: list, tout: list, shapes: list) -> list:
         if last is not None:
             deps = [last]
     with tf.control_dependencies(deps):
-        outs = tf.py_function(fn, list(inputs), list(tout), name=what)
+        outs = tf.py_function(_errors.guard_graph_fn(fn, list(tout), list(shapes)),
+                              list(inputs), list(tout) + [_errors.status_dtype()], name=what)
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    outs = _errors.check_graph_outputs(what, outs)
     for o, s in zip(outs, shapes):
         o.set_shape(s)
     if chain and outs:

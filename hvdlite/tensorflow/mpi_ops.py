@@ -16,6 +16,7 @@ XLA cannot call Python: inside `jit_compile=True` every collective raises at tra
 from __future__ import annotations
 
 
+import numpy as np
 import tensorflow as tf
 
 from ..common import basics as _basics
@@ -118,15 +119,15 @@ def _sparse_allreduce(slices, op, name, process_set, ignore_name_scope, prescale
 
 def _sparse_allreduce_named(values, indices, wire, cacheable, op, set_id):
     def fn(v, i):
-        gv, gi = _rt_allgather([v, i], [f"{wire}.values", f"{wire}.indices"], set_id,
-                               cacheable)
-        if op == Average:
-            gv = gv / tf.cast(_set_size(set_id), gv.dtype)
-        return [gv, gi]
+        return _rt_allgather([v, i], [f"{wire}.values", f"{wire}.indices"], set_id, cacheable)
 
     vshape = tf.TensorShape([None]).concatenate(values.shape[1:])
-    return _run("HorovodSparseAllreduce", fn, [values, indices], [values.dtype, indices.dtype],
-                [vshape, tf.TensorShape([None])])
+    gv, gi = _run("HorovodSparseAllreduce", fn, [values, indices], [values.dtype, indices.dtype],
+                  [vshape, tf.TensorShape([None])])
+    if op == Average:
+        # Horovod divides with TensorFlow's `/`: integer values become floating (true division).
+        gv = gv / tf.cast(size_op(set_id), gv.dtype)
+    return gv, gi
 
 
 # ---------------------------------------------------------------------- allgather
@@ -290,6 +291,17 @@ def broadcast_group(tensors, root_rank, name=None, process_set=global_process_se
 
 
 # ---------------------------------------------------------------------- alltoall
+def _alltoall_splits_tensor(splits):
+    """Horovod converts splits with tf.convert_to_tensor(splits, dtype=tf.int32): lists of ints
+    and int32 tensors pass; a tensor of another dtype (int64, float) is refused."""
+    if isinstance(splits, (tf.Tensor, tf.Variable)) and splits.dtype != tf.int32:
+        raise ValueError(f"alltoall: splits must be int32 (Horovod's op takes int32 splits), "
+                         f"got {splits.dtype.name}; pass tf.cast(splits, tf.int32)")
+    if isinstance(splits, np.ndarray) and splits.dtype.kind not in "iu":
+        raise ValueError(f"alltoall: splits must be integers, got a {splits.dtype} array")
+    return tf.convert_to_tensor(splits, dtype=tf.int32)
+
+
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
              process_set=global_process_set):
     """Send rows `splits[i]` of `tensor` to rank i of the set and gather what every rank sent
@@ -300,9 +312,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     tensor, restore = _movable(tensor, "alltoall")
     splits_t = None
     if splits is not None:
-        splits_t = tf.convert_to_tensor(splits)
-        if not splits_t.dtype.is_integer:
-            raise ValueError(f"alltoall splits must be integers, got {splits_t.dtype.name}")
+        splits_t = _alltoall_splits_tensor(splits)
     set_id = _set_id(process_set)
     _check_graph("hvd.alltoall")
     wire, _ = _wire_name("Alltoall", name, ignore_name_scope, set_id)

@@ -9,7 +9,7 @@ from ..common.basics import add_process_set, remove_process_set
 from ..common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from ..common.process_sets import ProcessSet, global_process_set
 from . import mpi_ops as _mpi_ops
-from .compression import Compression
+from .compression import Compression, drive_all
 from .mpi_ops import *  # noqa: F401,F403
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)

@@ -6,6 +6,9 @@ import torch
 
 from ..common import compression as _c
 from ..common.compression import Compressor, NoneCompressor
+from .powersgd import PowerSGDCompressor
+from .quantize import Int8Compressor
+from .stateful_compression import StatefulCompressor, drive_all, is_stateful
 
 
 class FP16Compressor(_c.CastCompressor):
@@ -27,6 +30,11 @@ class Compression(_c.Compression):
 
     none = NoneCompressor
     fp16 = FP16Compressor
+    # Stateful (per-tensor residuals/factors, their own collectives): pass the class for the
+    # defaults or an instance, e.g. Compression.powersgd(rank=2). One instance per optimizer.
+    int8 = Int8Compressor
+    powersgd = PowerSGDCompressor
 
 
-__all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor"]
+__all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "Int8Compressor",
+           "PowerSGDCompressor", "StatefulCompressor", "drive_all", "is_stateful"]

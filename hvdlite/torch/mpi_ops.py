@@ -302,15 +302,22 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 
 
 # ---------------------------------------------------------------------- alltoall
+def _split_list(splits):
+    """Splits as (values, dtype name): Horovod reads splits as int32 (a list becomes
+    torch.tensor(splits, dtype=torch.int32)); a tensor of another dtype is refused by the op layer
+    before anything is sent, not reinterpreted."""
+    if splits is None:
+        return None, None
+    if isinstance(splits, torch.Tensor):
+        return splits.reshape(-1).tolist(), str(splits.dtype).replace("torch.", "")
+    return torch.tensor(splits, dtype=torch.int32).reshape(-1).tolist(), "int32"
+
+
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
     """Asynchronous alltoall: rows splits[i] of `tensor` go to rank i of the set."""
-    split_list = None
-    if splits is not None:
-        if isinstance(splits, torch.Tensor):
-            split_list = [int(s) for s in splits.reshape(-1).tolist()]
-        else:
-            split_list = [int(s) for s in splits]
-    handle = _ops.alltoall(tensor, split_list, names=name, process_set=process_set)
+    split_list, split_dtype = _split_list(splits)
+    handle = _ops.alltoall(tensor, split_list, names=name, process_set=process_set,
+                           splits_dtype=split_dtype)
 
     def post(res):
         out, recv = res

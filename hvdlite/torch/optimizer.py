@@ -15,7 +15,7 @@ import torch
 from ..common import adasum as _adasum
 from ..common import basics as _basics
 from ..common.config import env
-from .compression import Compression, NoneCompressor
+from .compression import Compression, NoneCompressor, drive_all, is_stateful
 from .mpi_ops import (Adasum, Average, allreduce_async_, global_process_set,
                       grouped_allreduce_async_, sparse_allreduce_async, synchronize)
 
@@ -277,6 +277,10 @@ class _DistributedOptimizer(_HookedOptimizer):
             else:
                 return self._sparse_allreduce_grad_async(p, name)
 
+        if is_stateful(self._compression):
+            # 8-bit / PowerSGD: the compressor runs its own collectives (see zero.py too).
+            return self._compression.reduce_async(tensor, name, op=self.op,
+                                                  process_set=self.process_set), None
         tensor_compressed, ctx = self._compress(tensor)
         prescale_factor, postscale_factor = self._scale_factors()
         handle = allreduce_async_(tensor_compressed, name=name, op=self.op,
@@ -349,6 +353,7 @@ class _DistributedOptimizer(_HookedOptimizer):
             if handle is None:
                 self._handles[p] = self._allreduce_grad_async(p)
 
+        drive_all([handle for handle, _ in self._handles.values()])
         for p, (handle, ctx) in self._handles.items():
             if isinstance(p, tuple):
                 outputs = synchronize(handle)
@@ -481,7 +486,8 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                          gradient_predivide_factor=1.0,
                          num_groups=0, groups=None,
                          sparse_as_dense=False,
-                         process_set=global_process_set):
+                         process_set=global_process_set,
+                         zero_stage=0):
     """Wrap `optimizer` so that gradients are averaged (or summed) over the ranks of
     `process_set` before every update.
 
@@ -503,7 +509,25 @@ def DistributedOptimizer(optimizer, named_parameters=None,
             parameters; each group is reduced by one grouped allreduce once all of it is ready.
         sparse_as_dense: reduce sparse gradients as dense tensors.
         process_set: reduce only over the ranks of this process set.
+        zero_stage (hvdlite): 0 (default) keeps a full optimizer state on every rank; 1 shards
+            the optimizer state over the ranks of `process_set`; 2 shards the averaged
+            gradients too (reducescatter). See `hvdlite.torch.zero`.
+        compression (hvdlite additions): `Compression.int8` (8-bit with error feedback) and
+            `Compression.powersgd(rank=r)` (low rank with error feedback), class or instance.
     """
+    from . import zero as _zero
+    zero_stage = _zero.check_zero_stage(zero_stage)
+    if isinstance(compression, type) and is_stateful(compression):
+        compression = compression()   # per-tensor state belongs to this optimizer
+    if is_stateful(compression):
+        if op == Adasum:
+            raise ValueError("stateful compression (int8, powersgd) cannot be used with Adasum")
+        if groups is not None or num_groups:
+            raise ValueError("stateful compression (int8, powersgd) reduces tensor by tensor; "
+                             "do not pass groups/num_groups with it")
+        if gradient_predivide_factor != 1.0:
+            raise ValueError("gradient_predivide_factor is not supported with stateful "
+                             "compression (int8, powersgd)")
     if gradient_predivide_factor != 1.0:
         if _basics.rocm_built():
             raise ValueError("gradient_predivide_factor not supported yet with ROCm")
@@ -518,6 +542,14 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                       "and will be removed in v0.23.0.", DeprecationWarning)
         if groups is None:
             groups = num_groups
+
+    if zero_stage:
+        if op == Adasum:
+            raise ValueError("zero_stage 1/2 cannot be combined with op=Adasum")
+        return _zero.make_zero_optimizer(optimizer, named_parameters, compression,
+                                         backward_passes_per_step, op,
+                                         gradient_predivide_factor, groups, sparse_as_dense,
+                                         process_set, zero_stage)
 
     base = optimizer.__class__
     if op == Adasum and _basics.size() > 1:

@@ -17,6 +17,10 @@ Environment (all optional):
   ELASTIC_HOLD_SIZE     ... this many ranks (bounded: ~90 s)
   ELASTIC_HOLD_FILE     ... and this file exists
   ELASTIC_MARK_DIR      write pid.<worker> and step.<worker> ("<step> <size> <rank>") here
+  ELASTIC_SIGSTOP_AT    after this step the highest rank stops itself (SIGSTOP), once per job
+  ELASTIC_EXIT_IN_INIT  this worker ("host:slot") dies inside its first hvd.init(), once
+  ELASTIC_ZERO_STAGE    DistributedOptimizer(zero_stage=...) (0); with 1 or 2 the RESULT also
+                        holds the consolidated momentum buffers ("momentum")
 """
 from __future__ import annotations
 
@@ -34,6 +38,10 @@ HOLD_AT = int(os.environ["ELASTIC_HOLD_AT"]) if os.environ.get("ELASTIC_HOLD_AT"
 HOLD_SIZE = int(os.environ.get("ELASTIC_HOLD_SIZE", "1"))
 HOLD_FILE = os.environ.get("ELASTIC_HOLD_FILE")
 MARK_DIR = os.environ.get("ELASTIC_MARK_DIR")
+SIGSTOP_AT = int(os.environ["ELASTIC_SIGSTOP_AT"]) if os.environ.get("ELASTIC_SIGSTOP_AT") \
+    else None
+EXIT_IN_INIT = os.environ.get("ELASTIC_EXIT_IN_INIT")
+ZERO_STAGE = int(os.environ.get("ELASTIC_ZERO_STAGE", "0"))
 LR, MOMENTUM = 0.25, 0.5
 DATASET, BATCH = 40, 2
 
@@ -60,13 +68,21 @@ def step_fn(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> No
     opt.step()
 
 
-def reference(steps: int) -> dict[str, list]:
-    """The single-process result of `steps` steps."""
+def reference(steps: int, momentum: bool = False):
+    """The single-process result of `steps` steps (and the momentum buffers, if asked)."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     for s in range(steps):
         step_fn(model, opt, s)
-    return {k: v.tolist() for k, v in model.state_dict().items()}
+    params = {k: v.tolist() for k, v in model.state_dict().items()}
+    if momentum:
+        return params, momentum_of(opt.state_dict())
+    return params
+
+
+def momentum_of(state_dict: dict) -> list:
+    return [state_dict["state"][k]["momentum_buffer"].tolist()
+            for k in sorted(state_dict["state"])]
 
 
 def _mark(kind: str, text: str) -> None:
@@ -79,14 +95,33 @@ def _mark(kind: str, text: str) -> None:
         os.replace(path + ".tmp", path)
 
 
+def _once(kind: str) -> bool:
+    """True the first time in the job (a marker file in MARK_DIR)."""
+    path = os.path.join(MARK_DIR or ".", f"once.{kind}")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
 def main() -> int:
     import hvdlite.torch as hvd
 
     _mark("pid", str(os.getpid()))
+    if EXIT_IN_INIT and os.environ.get("HVDLITE_ELASTIC_WORKER") == EXIT_IN_INIT \
+            and _once("exit_in_init"):
+        from hvdlite.common import basics
+
+        def die(*args, **kwargs):  # a member lost while its round is in init()
+            os._exit(3)
+        basics._share_address = die
     hvd.init()
     model = make_model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM),
-                                   named_parameters=model.named_parameters())
+                                   named_parameters=model.named_parameters(),
+                                   zero_stage=ZERO_STAGE)
     sampler = hvd.elastic.ElasticSampler(range(DATASET), shuffle=True, seed=7)
     state = hvd.elastic.TorchState(model, opt, sampler=sampler, step=0, trace=[], epochs=[[]])
     sizes: list[int] = []
@@ -136,18 +171,27 @@ def main() -> int:
             state.trace.append(s)
             state.step += 1
             _mark("step", f"{state.step} {hvd.size()} {hvd.rank()}")
+            if SIGSTOP_AT is not None and state.step == SIGSTOP_AT and \
+                    hvd.rank() == hvd.size() - 1 and _once("sigstop"):
+                import signal
+                os.kill(os.getpid(), signal.SIGSTOP)  # hung: alive, sockets open, silent
             if state.step % COMMIT_EVERY == 0:
                 state.commit()
             time.sleep(STEP_DELAY)
 
     train(state)
     _mark("done", f"{state.step} {hvd.size()} {hvd.rank()}")
+    extra = {}
+    if ZERO_STAGE:
+        # Consolidated (a collective); every rank owns only its shard.
+        extra = {"momentum": momentum_of(opt.state_dict()),
+                 "owned": len(opt.owned_parameters())}
     if hvd.rank() == 0:
         print("RESULT " + json.dumps({
             "step": state.step, "trace": state.trace, "size": hvd.size(),
             "epochs": state.epochs,
             "params": {k: v.tolist() for k, v in model.state_dict().items()},
-            "reset_sizes": sizes}), flush=True)
+            "reset_sizes": sizes, **extra}), flush=True)
     return 0
 
 

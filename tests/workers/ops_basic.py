@@ -262,7 +262,11 @@ def alltoall_all():
                 pieces.append(inputs[j][start:start + splits[j][rank]])
             ref = torch.cat(pieces)
             ref_recv = [splits[j][rank] for j in range(size)]
-            for kind in ("list", "int32", "int64"):
+            # Horovod requires int32 splits; int64 is refused before anything is sent.
+            expect_raises(ValueError, lambda: hvd.alltoall(
+                inputs[rank], splits=torch.tensor(splits[rank], dtype=torch.int64)),
+                "alltoall int64 splits " + what, match="int32")
+            for kind in ("list", "int32"):
                 sp = splits[rank]
                 if kind != "list":
                     sp = torch.tensor(sp, dtype=getattr(torch, kind))

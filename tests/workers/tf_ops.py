@@ -379,6 +379,72 @@ def _loss(w, x):
     return tf.reduce_mean(tf.square(tf.matmul(x, w)))
 
 
+def check_gradient_path(mode):
+    """The gradient path of DistributedGradientTape (per-gradient submit nodes and one collect
+    node in a graph, one submission eagerly): float32/float64/float16 gradients, a None
+    gradient, an IndexedSlices gradient, a chain deep enough for the pacing edges, explicit
+    groups, and results of earlier steps kept alive while later steps run (the reused output
+    buffers must not overwrite them); against the single-process reference of every step."""
+    rng = np.random.RandomState(11)
+    init = {"a": rng.randn(4, 3).astype(np.float32), "c": rng.randn(3, 3).astype(np.float64),
+            "d": rng.randn(3, 2).astype(np.float32), "h": rng.randn(2).astype(np.float16),
+            "emb": rng.randn(6, 2).astype(np.float32), "unused": np.zeros(2, np.float32)}
+    var = {k: tf.Variable(v) for k, v in init.items()}
+    order = ["a", "c", "d", "h", "emb", "unused"]
+
+    def loss_of(v, x, ids):
+        z = tf.tanh(tf.matmul(x, v["a"]))
+        z = tf.cast(tf.tanh(tf.matmul(tf.cast(z, tf.float64), v["c"])), tf.float32)
+        z = tf.matmul(z, v["d"])
+        return (tf.reduce_sum(z * z) + tf.reduce_sum(tf.cast(v["h"], tf.float32) * x[0, :2])
+                + 2.0 * tf.reduce_sum(tf.gather(v["emb"], ids)))
+
+    def data(r, k):
+        return (gen(r, (5, 4), tf.float32, f"gp{k}").astype(np.float32) / 4,
+                np.array([(r + k) % 6, (2 * r + k + 1) % 6, 3], np.int32))
+
+    def reference(k):
+        dense = []
+        for r in range(SIZE):
+            v = {n: tf.Variable(init[n]) for n in order}
+            x, ids = data(r, k)
+            with tf.GradientTape() as tape:
+                loss = loss_of(v, tf.constant(x), tf.constant(ids))
+            gs = tape.gradient(loss, [v[n] for n in order])
+            dense.append([None if g is None else to_np(tf.convert_to_tensor(g)) for g in gs])
+        return [None if dense[0][i] is None else
+                np.mean([d[i].astype(np.float64) for d in dense], axis=0)
+                for i in range(len(order))]
+
+    for groups in (None, [[var["a"], var["d"]], [var["c"], var["h"]]]):
+        def step(x, ids):
+            with tf.GradientTape() as tape:
+                loss = loss_of(var, x, ids)
+            tape = hvd.DistributedGradientTape(tape, groups=groups)
+            return tape.gradient(loss, [var[n] for n in order])
+
+        fn = MODES[mode](step)
+        kept = []
+        for k in range(3):
+            x, ids = data(RANK, k)
+            kept.append(fn(tf.constant(x), tf.constant(ids)))
+        for k, grads in enumerate(kept):
+            ref = reference(k)
+            what = f"groups={'explicit' if groups else None} step {k}"
+            for n, g, e in zip(order, grads, ref):
+                if e is None or g is None:
+                    if (e is None) != (g is None):
+                        fail(f"{what} {n}: None-ness {g is None} != reference {e is None}")
+                    continue
+                if n == "emb" and not isinstance(g, tf.IndexedSlices):
+                    fail(f"{what}: the embedding gradient is no longer tf.IndexedSlices")
+                g = tf.convert_to_tensor(g)
+                if g.dtype != var[n].dtype:
+                    fail(f"{what} {n}: dtype {g.dtype.name} != {var[n].dtype.name}")
+                tol = 2e-3 if n == "h" else 1e-5
+                close(g, e, f"{what} {n}", rtol=tol, atol=tol)
+
+
 def check_gradient_tape(mode):
     w0, data = _toy_problem()
     w = tf.Variable(w0)
@@ -672,6 +738,7 @@ def main():
         check(f"join_barrier_{mode}", check_join_barrier, mode)
         check(f"gradients_{mode}", check_gradients, mode)
         check(f"gradient_tape_{mode}", check_gradient_tape, mode)
+        check(f"gradient_path_{mode}", check_gradient_path, mode)
         check(f"tf1_optimizer_{mode}", check_tf1_optimizer, mode)
         check(f"sync_batch_norm_{mode}", check_sync_batch_norm, mode)
         check(f"mismatch_errors_{mode}", check_mismatch_errors, mode)

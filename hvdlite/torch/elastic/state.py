@@ -8,6 +8,7 @@ import torch
 
 from ...common.elastic import ObjectState
 from .. import functions as _functions
+from ..zero import ZeroOptimizer
 from .sampler import ElasticSampler
 
 
@@ -72,6 +73,43 @@ class OptimizerStateHandler(StateHandler):
         _functions.broadcast_optimizer_state(self.value, root_rank=root_rank)
 
 
+class ShardedOptimizerStateHandler(OptimizerStateHandler):
+    """A `DistributedOptimizer(..., zero_stage=1|2)`: commit keeps the full (consolidated) state,
+    so that after the world size changes every rank re-shards and takes its new shard from it.
+
+    No collective at construction (a worker joining later builds its `TorchState` alone);
+    `save()` is collective, which is fine because every rank commits at the same step. A commit
+    is followed by the host-update check, and a failure restores the commit, so at every reset
+    the live state equals the saved one: re-sharding from it loses no step.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        StateHandler.__init__(self, optimizer)
+        self._saved_full: Optional[dict] = None
+        self._initial_local = copy.deepcopy(optimizer.local_state_dict())
+
+    def save(self) -> None:
+        self._saved_full = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        if self._saved_full is not None:
+            self.value.load_state_dict(copy.deepcopy(self._saved_full))
+        else:
+            self.value.load_local_state_dict(copy.deepcopy(self._initial_local))
+
+    def reset(self) -> None:
+        self.value.reshard()
+        if self._saved_full is not None:
+            self.value.load_state_dict(copy.deepcopy(self._saved_full))
+
+    def sync(self, root_rank: int) -> None:
+        saved = _functions.broadcast_object(self._saved_full, root_rank,
+                                            name="hvdlite.elastic.zero_optimizer")
+        if saved is not None:
+            self._saved_full = saved
+            self.value.load_state_dict(copy.deepcopy(saved))
+
+
 class SamplerStateHandler(StateHandler):
     """`ElasticSampler`: which samples of the epoch are done; re-partitioned on reset."""
 
@@ -96,6 +134,7 @@ class SamplerStateHandler(StateHandler):
 
 _handler_registry: list[tuple[type, type]] = [
     (torch.nn.Module, ModelStateHandler),
+    (ZeroOptimizer, ShardedOptimizerStateHandler),
     (torch.optim.Optimizer, OptimizerStateHandler),
     (ElasticSampler, SamplerStateHandler),
 ]

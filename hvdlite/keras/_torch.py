@@ -1,0 +1,172 @@
+"""`hvdlite.keras` on Keras 3's PyTorch backend (`KERAS_BACKEND=torch`).
+
+Keras 3 on torch keeps variables as torch tensors and calls `optimizer.apply(grads, variables)`
+from `model.fit`, so the wrapper is the same as on TensorFlow: a subclass of the user's optimizer
+class (same name, built from its config, so saved models load with plain Keras) whose `apply`
+averages the gradients first, here with one grouped `hvdlite.torch` allreduce.
+"""
+from __future__ import annotations
+
+import keras
+import numpy as np
+import torch
+
+from .. import torch as _hvd
+from ..common.messages import handle_average_backwards_compatibility
+from ..torch import (Adasum, Average, Compression, HorovodInternalError,  # noqa: F401
+                     HostsUpdatedInterrupt, Max, Min, Product, ProcessSet, Sum, add_process_set,
+                     allgather_object, broadcast_object, ccl_built, cross_rank, cross_size,
+                     cuda_built, ddl_built, gloo_built, gloo_enabled, global_process_set, init,
+                     is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
+                     mpi_enabled, mpi_threads_supported, nccl_built, rank, remove_process_set,
+                     rocm_built, shutdown, size, start_timeline, stop_timeline)
+
+
+class _Distributed:
+    """Methods of the wrapper (first base of the dynamic subclass)."""
+
+    _hvd_distributed = True
+
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        cfg = self._hvd
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if present and cfg["process_set"].included() is not False and _hvd.size() > 1:
+            tensors = [grads[i] for i in present]
+            compressed, ctxs = zip(*[cfg["compression"].compress(t) for t in tensors])
+            f = cfg["predivide"]
+            pre, post = (1.0 / f, f) if f != 1.0 else (1.0, 1.0)
+            reduced = _hvd.grouped_allreduce(list(compressed), op=cfg["op"],
+                                             name=f"{self.name}.DistributedOptimizer",
+                                             prescale_factor=pre, postscale_factor=post,
+                                             process_set=cfg["process_set"])
+            for i, r, c in zip(present, reduced, ctxs):
+                grads[i] = cfg["compression"].decompress(r, c)
+        return super().apply(grads, trainable_variables)
+
+
+_CLASSES: dict = {}
+
+
+def _distributed_class(base):
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = _CLASSES[base] = type(base.__name__, (_Distributed, base),
+                                    {"__module__": base.__module__,
+                                     "__qualname__": base.__qualname__,
+                                     "__doc__": base.__doc__})
+    return cls
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                         compression=Compression.none, sparse_as_dense=False,
+                         gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
+                         average_aggregated_gradients=False, num_groups=0, groups=None,
+                         process_set=global_process_set, scale_local_gradients=True):
+    """Wrap a Keras 3 optimizer so that gradients are averaged (or summed) over the ranks of
+    `process_set` before each update (Horovod's arguments; see hvdlite.tensorflow.keras).
+    On the torch backend every gradient goes in one grouped allreduce; `groups`,
+    `backward_passes_per_step > 1` and local variables are the TensorFlow backend's only."""
+    if op not in (Average, Sum):
+        raise ValueError("op currently only supports Average and Sum")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if backward_passes_per_step != 1 or groups is not None or num_groups:
+        raise NotImplementedError(
+            "hvdlite.keras on the torch backend reduces all gradients in one group every step; "
+            "backward_passes_per_step > 1 and groups need the TensorFlow backend")
+    if getattr(optimizer, "_hvd_distributed", False):
+        raise ValueError(f"{type(optimizer).__name__} is already a hvdlite DistributedOptimizer")
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError(f"hvdlite.keras.DistributedOptimizer wraps Keras optimizers, got "
+                         f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    new = _distributed_class(type(optimizer)).from_config(config)
+    object.__setattr__(new, "_hvd", {"compression": compression, "op": op,
+                                     "predivide": float(gradient_predivide_factor),
+                                     "process_set": process_set})
+    return new
+
+
+def _as_torch(value) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.as_tensor(np.asarray(keras.ops.convert_to_numpy(value)
+                                      if hasattr(value, "shape") else value))
+
+
+def broadcast_global_variables(root_rank):
+    """TF1 graphs only in Horovod; there are no global variables on the torch backend."""
+    raise NotImplementedError("broadcast_global_variables() needs TF1 global variables; use "
+                              "hvdlite.keras.callbacks.BroadcastGlobalVariablesCallback(0) or "
+                              "hvdlite.torch.broadcast_parameters")
+
+
+def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
+              compression=Compression.none):
+    """Average (default) or reduce a value (tensor, NumPy array, number) over the ranks; a torch
+    tensor (the backend's tensor type)."""
+    op = handle_average_backwards_compatibility(op, average)
+    return _hvd.allreduce(_as_torch(value), name=name, op=op, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor, compression=compression)
+
+
+def allgather(value, name=None):
+    """Concatenate every rank's value along its first dimension."""
+    return _hvd.allgather(_as_torch(value), name=name)
+
+
+def broadcast(value, root_rank, name=None):
+    """The value of `root_rank`, on every rank."""
+    return _hvd.broadcast(_as_torch(value), root_rank, name=name)
+
+
+def reducescatter(value, name=None, op=Average):
+    """Reduce a value over the ranks and keep this rank's slice of its first dimension."""
+    return _hvd.reducescatter(_as_torch(value), name=name, op=op)
+
+
+def broadcast_variables(variables, root_rank, process_set=global_process_set):
+    """Assign `root_rank`'s values to Keras variables on every rank (one grouped broadcast)."""
+    variables = list(variables)
+    if not variables:
+        return
+    values = [v.value.detach() if isinstance(v.value, torch.Tensor) else _as_torch(v.value)
+              for v in variables]
+    handles = [_hvd.broadcast_async(t.contiguous(), root_rank, name=f"keras.bcast.{i}",
+                                    process_set=process_set) for i, t in enumerate(values)]
+    for v, h in zip(variables, handles):
+        v.assign(_hvd.synchronize(h))
+
+
+def load_model(filepath, custom_optimizers=None, custom_objects=None,
+               compression=Compression.none, legacy_opts=False):
+    """Load a saved model and wrap its optimizer in `DistributedOptimizer` (state kept)."""
+    objects = dict(custom_objects or {})
+    for cls in custom_optimizers or []:
+        objects.setdefault(cls.__name__, cls)
+    model = keras.models.load_model(filepath, custom_objects=objects or None)
+    opt = getattr(model, "optimizer", None)
+    if opt is not None and not getattr(opt, "_hvd_distributed", False):
+        new = DistributedOptimizer(opt, compression=compression)
+        if getattr(opt, "built", False):
+            new.build(model.trainable_variables)
+            for d, s in zip(new.variables, opt.variables):
+                d.assign(s)
+        model.optimizer = new
+        model.train_function = None
+    return model
+
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "start_timeline", "stop_timeline", "size", "local_size",
+    "cross_size", "rank", "local_rank", "cross_rank", "is_homogeneous", "mpi_threads_supported",
+    "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built",
+    "ccl_built", "cuda_built", "rocm_built", "ProcessSet", "global_process_set",
+    "add_process_set", "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max",
+    "Product", "Compression", "DistributedOptimizer", "broadcast_global_variables", "allreduce",
+    "allgather", "broadcast", "reducescatter", "load_model", "broadcast_variables",
+    "broadcast_object", "allgather_object", "HorovodInternalError", "HostsUpdatedInterrupt",
+]

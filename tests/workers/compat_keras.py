@@ -1,0 +1,181 @@
+"""hvdlite.keras (horovod.keras's API) on Keras 3, on the backend KERAS_BACKEND names: model.fit
+with DistributedOptimizer and Horovod's callbacks gives the single-process result on the global
+batch; the collectives and load_model work (issue 10)."""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import keras  # noqa: E402
+
+import hvdlite.keras as hvd  # noqa: E402
+from harness import check, finish, log  # noqa: E402
+
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+
+
+def close(a, b, what, tol=1e-5):
+    a = np.asarray(keras.ops.convert_to_numpy(a), np.float64)
+    b = np.asarray(b, np.float64)
+    if a.shape != b.shape or not np.allclose(a, b, rtol=tol, atol=tol):
+        raise AssertionError(f"{what}: {a.reshape(-1)[:6]} != {b.reshape(-1)[:6]}")
+
+
+def data():
+    rng = np.random.RandomState(0)
+    x = rng.randn(8 * SIZE, 3).astype(np.float32)
+    y = (x @ np.array([[1.0], [-2.0], [0.5]], np.float32) + 0.1).astype(np.float32)
+    return x, y
+
+
+def model(seed):
+    keras.utils.set_random_seed(seed)     # different on each rank: the broadcast must fix it
+    m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"),
+                          keras.layers.Dense(1)])
+    return m
+
+
+def fit(m, opt, x, y, callbacks, batch):
+    m.compile(optimizer=opt, loss="mse", jit_compile=False)
+    return m.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0,
+                 callbacks=callbacks)
+
+
+def check_fit():
+    x, y = data()
+    per_rank = 4
+    # Rank r takes rows r*4..r*4+3 of every global batch of 4*SIZE rows.
+    idx = np.concatenate([np.arange(b * per_rank * SIZE + RANK * per_rank,
+                                    b * per_rank * SIZE + (RANK + 1) * per_rank)
+                          for b in range(len(x) // (per_rank * SIZE))])
+    dist = model(seed=100 + RANK)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.1, momentum=0.9))
+    hist = fit(dist, opt, x[idx], y[idx],
+               [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                hvd.callbacks.MetricAverageCallback(),
+                hvd.callbacks.LearningRateScheduleCallback(initial_lr=0.1, multiplier=0.5,
+                                                           start_epoch=1)], per_rank)
+    ref = model(seed=100)                 # rank 0's initial weights
+    ref_hist = fit(ref, keras.optimizers.SGD(learning_rate=0.1, momentum=0.9), x, y,
+                   [_Halve()], per_rank * SIZE)
+    for a, b in zip(dist.get_weights(), ref.get_weights()):
+        close(a, b, "weights after fit == single process on the global batch", 1e-4)
+    if type(opt).__name__ != "SGD" or not isinstance(opt, keras.optimizers.SGD):
+        raise AssertionError(f"wrapped optimizer class {type(opt)}")
+    # MetricAverageCallback: the epoch loss is the mean of the ranks' losses.
+    losses = hvd.allgather(np.array([hist.history["loss"][-1]], np.float64))
+    close(losses, np.full(SIZE, hist.history["loss"][-1]), "averaged metrics equal on all ranks")
+    close(hist.history["lr"][-1], 0.05, "lr schedule applied")
+    del ref_hist
+
+
+class _Halve(keras.callbacks.Callback):
+    """The single-process twin of LearningRateScheduleCallback(0.1, 0.5, start_epoch=1), with
+    Horovod's momentum correction (momentum buffers scaled by new_lr / old_lr)."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch >= 1:
+            opt = self.model.optimizer
+            old = float(keras.ops.convert_to_numpy(opt.learning_rate))
+            new = 0.1 * 0.5 ** epoch
+            opt.learning_rate = new
+            for buf in opt.momentums:
+                buf.assign(buf.value * (new / old))
+
+
+def check_collectives():
+    out = hvd.allreduce(np.array([1.0 + RANK, 2.0]))
+    close(out, [1.0 + (SIZE - 1) / 2.0, 2.0], "allreduce averages")
+    out = hvd.allreduce(np.array([RANK], np.int32), op=hvd.Sum)
+    close(out, [SIZE * (SIZE - 1) / 2], "allreduce Sum")
+    out = hvd.allgather(np.array([[RANK]], np.float32))
+    close(out, np.arange(SIZE).reshape(SIZE, 1), "allgather")
+    out = hvd.broadcast(np.array([RANK + 5.0]), root_rank=SIZE - 1)
+    close(out, [SIZE + 4.0], "broadcast")
+    out = hvd.reducescatter(np.ones((SIZE, 2), np.float32) * (RANK + 1), op=hvd.Sum)
+    close(out, np.full((1, 2), SIZE * (SIZE + 1) / 2), "reducescatter")
+
+
+def check_load_model():
+    m = model(seed=7)
+    m.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=False)
+    x, y = data()
+    m.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    path = os.path.join(tempfile.mkdtemp(), f"m{RANK}.keras")
+    m.save(path)
+    loaded = hvd.load_model(path)
+    if not getattr(loaded.optimizer, "_hvd_distributed", False):
+        raise AssertionError("load_model did not wrap the optimizer")
+    if type(loaded.optimizer).__name__ != "Adam":
+        raise AssertionError(f"class {type(loaded.optimizer).__name__}")
+    loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
+def check_api():
+    for name in ("DistributedOptimizer", "broadcast_global_variables", "allreduce", "allgather",
+                 "broadcast", "load_model", "init", "rank", "size", "local_rank", "local_size",
+                 "shutdown", "Compression", "ProcessSet", "Average", "Sum"):
+        if not hasattr(hvd, name):
+            raise AssertionError(f"hvdlite.keras lacks {name}")
+    for name in ("BroadcastGlobalVariablesCallback", "MetricAverageCallback",
+                 "LearningRateScheduleCallback", "LearningRateWarmupCallback",
+                 "BestModelCheckpoint"):
+        if not hasattr(hvd.callbacks, name):
+            raise AssertionError(f"hvdlite.keras.callbacks lacks {name}")
+    if not hasattr(hvd.elastic, "KerasState") or not hasattr(hvd.elastic, "run"):
+        raise AssertionError("hvdlite.keras.elastic lacks KerasState/run")
+    import inspect
+    for name, expected in HOROVOD_KERAS_SIGNATURES.items():
+        params = []
+        for p in inspect.signature(getattr(hvd, name)).parameters.values():
+            if p.default is inspect.Parameter.empty:
+                params.append(p.name)
+            elif p.default is hvd.Compression.none:
+                params.append(f"{p.name}=Compression.none")
+            elif p.default is hvd.global_process_set:
+                params.append(f"{p.name}=global_process_set")
+            elif p.name == "op" and p.default is not None:
+                params.append(f"{p.name}={['Average', 'Sum'][p.default]}")
+            else:
+                params.append(f"{p.name}={p.default!r}")
+        if ", ".join(params) != expected:
+            raise AssertionError(f"{name}({', '.join(params)}) != Horovod's ({expected})")
+
+
+# horovod/keras/__init__.py (Horovod 0.28)
+HOROVOD_KERAS_SIGNATURES = {
+    "DistributedOptimizer": "optimizer, name=None, device_dense='', device_sparse='', "
+                            "compression=Compression.none, sparse_as_dense=False, "
+                            "gradient_predivide_factor=1.0, op=Average, "
+                            "backward_passes_per_step=1, average_aggregated_gradients=False, "
+                            "num_groups=0, groups=None, process_set=global_process_set, "
+                            "scale_local_gradients=True",
+    "broadcast_global_variables": "root_rank",
+    "allreduce": "value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, "
+                 "op=None, compression=Compression.none",
+    "allgather": "value, name=None",
+    "broadcast": "value, root_rank, name=None",
+    "reducescatter": "value, name=None, op=Average",
+    "load_model": "filepath, custom_optimizers=None, custom_objects=None, "
+                  "compression=Compression.none, legacy_opts=False",
+}
+
+
+def main():
+    log(f"BACKEND {keras.backend.backend()}")
+    check("api", check_api)
+    check("collectives", check_collectives)
+    check("fit", check_fit)
+    check("load_model", check_load_model)
+    finish()
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Horovod 0.28's exception classes and accepted arguments in hvdlite.torch, on every rank
+(issue 10): alltoall argument errors are ValueError before anything is sent (not
+HorovodInternalError), reducescatter with Adasum is RuntimeError, cross-rank mismatches are
+HorovodInternalError; process sets take any iterable of ranks."""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from ops_common import check, expect_raises, fail, finish, same  # noqa: E402
+import hvdlite.torch as hvd  # noqa: E402
+
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+
+
+def _not_internal(err, what):
+    if isinstance(err, hvd.HorovodInternalError):
+        fail(f"{what}: raised HorovodInternalError, Horovod raises ValueError/RuntimeError here")
+
+
+def check_alltoall_errors():
+    err = expect_raises((ValueError, RuntimeError), lambda: hvd.alltoall(torch.zeros(SIZE + 1, 2)),
+                        "alltoall uneven first dimension", "divide evenly")
+    _not_internal(err, "uneven")
+    err = expect_raises((ValueError, RuntimeError),
+                        lambda: hvd.alltoall(torch.zeros(SIZE + 2, 2),
+                                             splits=torch.ones(SIZE, dtype=torch.int32)),
+                        "alltoall splits sum", "sum to")
+    _not_internal(err, "splits sum")
+    err = expect_raises((ValueError, RuntimeError),
+                        lambda: hvd.alltoall(torch.zeros(SIZE, 2),
+                                             splits=torch.ones(SIZE, dtype=torch.float32)),
+                        "alltoall float splits", "int32")
+    _not_internal(err, "float splits")
+    if err is not None and "-1399583812878336" in str(err):
+        fail("float splits read as garbage")
+    err = expect_raises((ValueError, RuntimeError),
+                        lambda: hvd.alltoall(torch.zeros(SIZE, 2),
+                                             splits=torch.ones(SIZE, dtype=torch.int64)),
+                        "alltoall int64 splits", "int32")
+    _not_internal(err, "int64 splits")
+    err = expect_raises((ValueError, RuntimeError),
+                        lambda: hvd.alltoall(torch.zeros(SIZE + 1, 2), splits=[1] * (SIZE + 1)),
+                        "alltoall too many splits", "one count per rank")
+    _not_internal(err, "splits length")
+    # The job is still in step: nothing was sent by the refused calls.
+    out, recv = hvd.alltoall(torch.arange(SIZE, dtype=torch.float32) + 10 * RANK,
+                             splits=[1] * SIZE)
+    same(out, torch.tensor([10.0 * r + RANK for r in range(SIZE)]), "alltoall after the errors")
+    same(recv, torch.ones(SIZE, dtype=torch.int32), "received splits")
+    out, recv = hvd.alltoall(torch.ones(SIZE, 1), splits=np.ones(SIZE, np.int64))
+    same(recv, torch.ones(SIZE, dtype=torch.int32), "numpy splits accepted")
+
+
+def check_reducescatter_adasum():
+    err = expect_raises(RuntimeError, lambda: hvd.reducescatter(torch.ones(SIZE, 2),
+                                                                op=hvd.Adasum),
+                        "reducescatter Adasum", "Adasum")
+    if err is not None and isinstance(err, hvd.HorovodInternalError):
+        fail("reducescatter Adasum raised HorovodInternalError")
+    expect_raises(RuntimeError, lambda: hvd.grouped_reducescatter([torch.ones(SIZE, 2)],
+                                                                  op=hvd.Adasum),
+                  "grouped_reducescatter Adasum", "Adasum")
+
+
+def check_mismatch():
+    n = 2 + RANK % 2
+    expect_raises(hvd.HorovodInternalError, lambda: hvd.allreduce(torch.zeros(n), name="cmp.t"),
+                  "allreduce shape mismatch", "cmp.t")
+    same(hvd.allreduce(torch.ones(2), op=hvd.Sum, name="cmp.t.after"),
+         torch.full((2,), float(SIZE)), "allreduce after the mismatch")
+
+
+def check_process_sets():
+    ps = hvd.ProcessSet(reversed(range(1, SIZE)))
+    if ps.ranks != list(range(1, SIZE)):
+        fail(f"ProcessSet(reversed(range(1, size))).ranks = {ps.ranks}")
+    if hvd.ProcessSet(torch.tensor([1, 0])).ranks != [0, 1]:
+        fail("ProcessSet(tensor) not accepted/sorted")
+    hvd.shutdown()
+    perm = hvd.ProcessSet(reversed(range(SIZE)))
+    expect_raises(ValueError, lambda: hvd.init(process_sets=[hvd.ProcessSet(range(SIZE)), perm]),
+                  "duplicate process sets (permuted == sorted)", "pass each process set once")
+    sub = hvd.ProcessSet(reversed(range(1, SIZE)))
+    hvd.init(process_sets=[sub])
+    if sub.included():
+        out = hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=sub, name="cmp.ps")
+        same(out, torch.full((1,), float(SIZE - 1)), "allreduce on a permuted set")
+
+
+def main():
+    check("alltoall_errors", check_alltoall_errors)
+    check("reducescatter_adasum", check_reducescatter_adasum)
+    check("mismatch", check_mismatch)
+    check("process_sets", check_process_sets)
+    finish()
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
