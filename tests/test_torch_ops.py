@@ -141,9 +141,10 @@ def lifecycle_run():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", ["before_init", "shutdown_init_cycles"])
+@pytest.mark.parametrize("name", ["before_init", "shutdown_init_cycles", "public_handle"])
 def test_lifecycle(lifecycle_run, name):
     """ValueError('Horovod has not been initialized; use hvd.init().') before init and after
-    shutdown; shutdown() then init() again, three times, with collectives in every cycle."""
+    shutdown; shutdown() then init() again, three times, with collectives in every cycle; the op
+    layer's public handle (wait with a timeout, test, callbacks)."""
     lifecycle_run.check(name)
     lifecycle_run.finished()

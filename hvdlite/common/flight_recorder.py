@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 
 from .messages import TYPE_NAMES
 
-log = logging.getLogger("hvdlite")
+log = logging.getLogger(__name__)
 
 DIR_ENV = "HVDLITE_FLIGHT_DIR"
 SIZE_ENV = "HVDLITE_FLIGHT_RECORDER_SIZE"

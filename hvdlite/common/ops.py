@@ -26,7 +26,7 @@ from .engine import Entry
 from .messages import (ADASUM, ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BARRIER,
                        BROADCAST, JOIN, MAX, MIN, PRODUCT, REDUCESCATTER, REMOVE_PROCESS_SET,
                        SUM, Request)
-from .process_sets import ProcessSet, global_process_set
+from .process_sets import ProcessSet
 
 Buffer = torch.Tensor
 Names = Union[str, Sequence[str], None]

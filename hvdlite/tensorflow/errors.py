@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from ..common.exceptions import HorovodInternalError, HorovodMismatchError
 
-log = logging.getLogger("hvdlite")
+log = logging.getLogger(__name__)
 
 _CLASSES: dict = {}
 _last = threading.local()

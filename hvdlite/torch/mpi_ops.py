@@ -1,6 +1,7 @@
 """PyTorch collectives with Horovod's names and signatures (horovod.torch.mpi_ops).
 
-This module only converts tensors and builds requests; every collective runs in the common engine.
+This module only adapts torch tensors (and autograd) to the op layer, `common/ops.py`, which
+submits every collective to the common engine.
 """
 from __future__ import annotations
 

@@ -59,6 +59,57 @@ def cycles():
     hvd.shutdown()   # a second shutdown() is harmless
 
 
+def public_handle():
+    """The op layer's public handle: wait(timeout) raises TimeoutError and stays usable, test()
+    does not block, callbacks fire once, a second wait() returns the same result."""
+    import time
+
+    from hvdlite.common import ops
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    expected = torch.full((3,), float(size))
+    if rank == 0:
+        fired = []
+        h = ops.allreduce([torch.ones(3)], names="handle.late", op=hvd.Sum)
+        h.add_done_callback(lambda handle: fired.append(handle.done()))
+        expect_raises(TimeoutError, lambda: h.wait(timeout=0.2),
+                      "wait(timeout=0.2) while rank 1 has not submitted", match="handle.late")
+        done, result = h.test()
+        if done or result is not None or h.done():
+            raise AssertionError(f"test() before rank 1 submitted: {(done, result)}")
+        hvd.broadcast(torch.zeros(1), 0, name="handle.go")   # now rank 1 submits
+        (out,) = h.wait(timeout=60)
+        same(out, expected, "result after a timed-out wait")
+        (again,) = h.wait()
+        if again is not out:
+            raise AssertionError("a second wait() returned another result")
+        done, (res,) = h.test()
+        if not done or res is not out:
+            raise AssertionError("test() after completion")
+        deadline = time.monotonic() + 10
+        while not fired and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if fired != [True]:
+            raise AssertionError(f"done callback: {fired}")
+        late = []
+        h.add_done_callback(lambda handle: late.append(1))   # already done: runs at once
+        if late != [1]:
+            raise AssertionError("a callback added after completion did not run")
+        # An integer handle of the torch API exposes the same object.
+        n = hvd.allreduce_async(torch.ones(2), name="handle.int", op=hvd.Sum)
+        hvd.mpi_ops.get_handle(n).wait(timeout=60)
+        same(hvd.synchronize(n), torch.full((2,), float(size)), "synchronize after wait")
+    else:
+        hvd.broadcast(torch.zeros(1), 0, name="handle.go")
+        (out,) = ops.allreduce([torch.ones(3)], names="handle.late", op=hvd.Sum).wait(timeout=60)
+        same(out, expected, "rank 1 result")
+        same(hvd.allreduce(torch.ones(2), name="handle.int", op=hvd.Sum),
+             torch.full((2,), float(size)), "integer handle")
+    ops.barrier().wait(timeout=60)
+    hvd.shutdown()
+
+
 check("before_init", before_init)
 check("shutdown_init_cycles", cycles)
+check("public_handle", public_handle)
 finish()
