@@ -737,8 +737,13 @@ class Coordinator:
         self._maybe_enter_steady(out)
 
     def _maybe_enter_steady(self, out: dict) -> None:
-        """Hand quiet sets whose tensors come back as cache hits to the ranks (steady.py)."""
+        """Hand quiet sets whose tensors come back as cache hits to the ranks (steady.py).
+
+        Not while autotune tunes the coordinator's cycle, nor while a timeline records: the
+        timeline's NEGOTIATE phases (who submitted when, who was last) are seen only here."""
         if not self.settings.steady_state or self.autotune is not None:
+            return
+        if self.timeline is not None and self.timeline.enabled:
             return
         for s in self.sets.values():
             if not s.all_hits:

@@ -47,8 +47,10 @@ The protocol, per process set (every rank of the set runs it; rank 0 is not spec
 
 Cost per cycle at any rank: O(log N) messages of O(cache bits) bytes and O(bits) local work;
 the coordinator does no per-cycle work at all (benchmarks/control_plane.py measures it).
-Autotune (HOROVOD_AUTOTUNE) keeps every cycle on the coordinator, whose threshold it tunes;
-HVDLITE_STEADY_STATE=0 turns the steady state off.
+Autotune (HOROVOD_AUTOTUNE) keeps every cycle on the coordinator, whose threshold it tunes, and
+so does a running timeline (HOROVOD_TIMELINE, hvd.start_timeline), whose NEGOTIATE phases record
+when each rank submitted; sets that were already steady when a timeline starts stay steady until
+their next fallback. HVDLITE_STEADY_STATE=0 turns the steady state off.
 """
 from __future__ import annotations
 
