@@ -282,7 +282,7 @@ def test_sigint_stops_remote_ranks(sshd):
     try:
         deadline = time.monotonic() + 60
         while len([p for p in processes_mentioning(marker)
-                   if "hang.py" in " ".join(p.cmdline())]) < 2:
+                   if "hang.py" in " ".join(p.info["cmdline"] or [])]) < 2:
             assert time.monotonic() < deadline, "remote ranks did not start"
             time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
