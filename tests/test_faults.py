@@ -173,6 +173,23 @@ def test_straggler_report_points_at_the_slow_rank(tmp_path):
 
 # --------------------------------------------------------------------------- the channel
 
+@pytest.mark.timeout(150)
+def test_steady_state_connections_refuse_strangers_replays_and_the_bare_job_key():
+    marker = _marker()
+    proc = run_job(["-np", "2"], ["peer_replay"], marker)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "ATTACKED" in proc.stdout and proc.stdout.count("DONE rank") == 2, proc.stdout
+    refusals = [line for line in proc.stderr.splitlines()
+                if "rejected a steady-state connection" in line]
+    assert all(line.startswith("[1]") for line in refusals), refusals
+    text = "\n".join(refusals)
+    assert "not an hvdlite steady-state connection" in text, proc.stderr[-4000:]
+    assert "replayed a connection (its nonce was used before)" in text, proc.stderr[-4000:]
+    assert "bad signature" in text, proc.stderr[-4000:]    # the bare job key no longer signs
+    assert len(refusals) == 3, refusals                    # the genuine connection was accepted
+    assert leftovers(marker) == []
+
+
 def _coordinator_port(pid: int) -> int:
     """Rank 0's coordinator: the listening socket that greets with the handshake magic."""
     from hvdlite.common.rendezvous import _MAGIC

@@ -24,7 +24,7 @@ from .engine import Engine
 from .exceptions import HorovodInternalError
 from .process_sets import ProcessSet, global_process_set
 from .protocol import Msg
-from .rendezvous import client_handshake
+from .rendezvous import PEER_NONCE, client_handshake
 from .timeline import Timeline
 from .wire import ProtocolError
 
@@ -174,9 +174,11 @@ def _join(state: "_State", ident, world, settings: Settings, dynamic: bool, stat
     peer_listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     peer_listener.bind(("0.0.0.0", 0))
     peer_listener.listen(128)
+    peer_nonce = os.urandom(PEER_NONCE)     # this process's half of every peer channel's key
     hello = (Msg.HELLO, {"rank": ident.rank, "size": ident.size, "hostname": ident.hostname,
                          "pid": os.getpid(), "dynamic": dynamic,
                          "peer_port": peer_listener.getsockname()[1],
+                         "peer_nonce": peer_nonce.hex(),
                          "process_sets": [ps.ranks for ps in static]})
     wait_s = max(1.0, deadline - time.monotonic()) + 5.0
     try:
@@ -217,7 +219,7 @@ def _join(state: "_State", ident, world, settings: Settings, dynamic: bool, stat
     state.engine = Engine(rank=ident.rank, size=ident.size, settings=settings,
                           channel=channel, comm_factory=factory, set_ranks=set_ranks,
                           timeline=timeline, peer_listener=peer_listener, key=key,
-                          peers=topo.get("peers"))
+                          peers=topo.get("peers"), peer_nonce=peer_nonce)
     state.transport = transport
 
 

@@ -325,7 +325,9 @@ class Coordinator:
                 addr = self.peers[r].channel.sock.getpeername()[0]
             except OSError:
                 addr = "127.0.0.1"
-            peers[r] = (self.peers[r].hostname, addr, self.peers[r].hello.get("peer_port", 0))
+            hello = self.peers[r].hello
+            peers[r] = (self.peers[r].hostname, addr, hello.get("peer_port", 0),
+                        hello.get("peer_nonce", ""))
         for h in hellos:
             members = hosts[h["hostname"]]
             local_rank = members.index(h["rank"])

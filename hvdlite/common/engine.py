@@ -16,6 +16,7 @@ coordinator the moment anything is not a cache hit. `counters` counts both paths
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import selectors
 import socket
@@ -143,11 +144,29 @@ class Entry:
     flight: Any = None            # this collective's flight-recorder record
 
 
+class _PeerGreeting:
+    """An accepted steady-state connection whose magic and client nonce are still arriving."""
+
+    __slots__ = ("sock", "head")
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.head = b""
+
+
+def _peer_name(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "a closed socket"
+
+
 class Engine:
     def __init__(self, *, rank: int, size: int, settings, channel: Channel,
                  comm_factory: Callable[[int, list], Any], set_ranks: dict[int, list],
                  timeline=None, peer_listener: socket.socket | None = None,
-                 key: bytes = b"", peers: dict | None = None):
+                 key: bytes = b"", peers: dict | None = None, peer_nonce: bytes = b""):
         self.rank = rank
         self.size = size
         self.settings = settings
@@ -189,6 +208,8 @@ class Engine:
         # connections to the other ranks (one we opened per destination, any number accepted).
         self.key = key
         self.peer_addrs = dict(peers or {})
+        self._peer_nonce = peer_nonce                 # our listener's half of each peer key
+        self._seen_client_nonces: set[bytes] = set()  # refuse a connection replayed to us
         self.steady: dict[int, SteadySet] = {}
         self.epochs: dict[int, int] = {}            # set -> last "D" epoch seen
         self._early: dict[tuple[int, int], list] = {}   # (set, epoch) -> K messages before "D"
@@ -655,13 +676,18 @@ class Engine:
     def _peer_send(self, g: int, msg) -> None:
         ch = self._peer_out.get(g)
         if ch is None:
-            hostname, addr, port = self.peer_addrs[g]
+            hostname, addr, port, nonce = self.peer_addrs[g]
             if addr.startswith("127.") and hostname != self.peer_addrs[self.rank][0]:
                 addr = self.channel.sock.getpeername()[0]     # rank 0's host, as seen from here
             try:
                 sock = socket.create_connection((addr, port), timeout=30)
                 sock.settimeout(None)
-                ch = Channel(sock, self.key)
+                # Our nonce goes first, in the clear; nothing waits for an answer (see
+                # rendezvous.peer_session_key for why, and why that is still replay-proof).
+                client_nonce = os.urandom(rendezvous.PEER_NONCE)
+                sock.sendall(rendezvous.PEER_MAGIC + client_nonce)
+                ch = Channel(sock, rendezvous.peer_session_key(
+                    self.key, bytes.fromhex(nonce), client_nonce))
                 ch.send((Msg.PEER_HELLO, self.rank))
             except OSError as exc:
                 self._report_failure(
@@ -682,9 +708,48 @@ class Engine:
         except (BlockingIOError, OSError):
             return
         conn.setblocking(True)
-        self._sel.register(conn, selectors.EVENT_READ, Channel(conn, self.key))
+        self._sel.register(conn, selectors.EVENT_READ, _PeerGreeting(conn))
 
-    def _on_peer_readable(self, ch: Channel) -> None:
+    def _greet_peer(self, greeting: "_PeerGreeting") -> None:
+        """Read an accepted connection's magic and client nonce (as they arrive: never blocks),
+        then turn it into a channel keyed with both nonces."""
+        sock = greeting.sock
+        want = len(rendezvous.PEER_MAGIC) + rendezvous.PEER_NONCE
+        try:
+            data = sock.recv(want - len(greeting.head))   # select said readable: no wait
+        except OSError:
+            data = b""
+        greeting.head += data
+        problem = None
+        if not data:
+            problem = "closed before its greeting"
+        elif not rendezvous.PEER_MAGIC.startswith(greeting.head[:len(rendezvous.PEER_MAGIC)]):
+            problem = "not an hvdlite steady-state connection"
+        elif len(greeting.head) < want:
+            return
+        else:
+            client_nonce = greeting.head[len(rendezvous.PEER_MAGIC):]
+            if client_nonce in self._seen_client_nonces:
+                problem = "replayed a connection (its nonce was used before)"
+            else:
+                self._seen_client_nonces.add(client_nonce)
+                ch = Channel(sock, rendezvous.peer_session_key(self.key, self._peer_nonce,
+                                                               client_nonce))
+                self._sel.modify(sock, selectors.EVENT_READ, ch)
+                return
+        if data:
+            log.error("hvdlite: rejected a steady-state connection from %s: %s",
+                      _peer_name(sock), problem)
+        try:
+            self._sel.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+        sock.close()
+
+    def _on_peer_readable(self, ch) -> None:
+        if isinstance(ch, _PeerGreeting):
+            self._greet_peer(ch)
+            return
         try:
             alive = ch.feed()
             msgs = ch.messages()

@@ -218,6 +218,23 @@ def _session_key(key: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
                     hashlib.sha256).digest()
 
 
+PEER_MAGIC = b"hvdlite-peer1"
+PEER_NONCE = 16
+
+
+def peer_session_key(key: bytes, listener_nonce: bytes, client_nonce: bytes) -> bytes:
+    """The key of one rank-to-rank connection of the steady state (engine.py).
+
+    Those connections cannot use the driver's handshake: it waits for the server's nonce, and two
+    background threads that connect to each other at once would each wait for the other. So
+    the server's fresh value is its *listener nonce*, drawn once per process and handed to the
+    other ranks by the coordinator over its own authenticated channel; the client sends its
+    nonce first, in the clear, and never waits. The listener refuses a client nonce it has seen
+    before, so a recorded connection replayed to it, or to any other process, is refused."""
+    return hmac.new(key, b"hvdlite peer channel" + listener_nonce + client_nonce,
+                    hashlib.sha256).digest()
+
+
 def server_handshake(sock: socket.socket, key: bytes, timeout: float) -> tuple[Channel, Any]:
     """Driver side: returns the channel and the client's authenticated first message.
     Raises ProtocolError for a client that does not know the job secret (or replays)."""

@@ -5,7 +5,8 @@ parameters. The response cache already shrinks each request to one bit, but send
 to the coordinator in rank 0 and waiting for its answer cost a round trip per cycle (~0.5 ms
 here) and made rank 0 handle one message per rank per cycle, O(N) work. Horovod's answer is a
 bitwise allreduce of the ranks' cache bits on every rank; hvdlite does the same over direct TCP
-connections between the ranks (the control channels, HMAC-authenticated like the coordinator's),
+connections between the ranks (control channels, HMAC-signed with a key per connection:
+rendezvous.peer_session_key),
 so no transport call of gloo or MPI is spent on it and nothing waits in a blocking call.
 
 The protocol, per process set (every rank of the set runs it; rank 0 is not special):
