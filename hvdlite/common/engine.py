@@ -36,7 +36,7 @@ from .messages import (ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER,
 from .protocol import Item, Msg
 from .response_cache import RankCache
 from .steady import STEADY_MSG, SteadySet, build_responses, gone_message
-from .wire import Channel, ProtocolError
+from .wire import Channel, ProtocolError, peer_name
 
 log = logging.getLogger(__name__)
 
@@ -152,14 +152,6 @@ class _PeerGreeting:
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.head = b""
-
-
-def _peer_name(sock: socket.socket) -> str:
-    try:
-        host, port = sock.getpeername()[:2]
-        return f"{host}:{port}"
-    except OSError:
-        return "a closed socket"
 
 
 class Engine:
@@ -320,13 +312,7 @@ class Engine:
             # Closing the channel tells the coordinator this rank is gone (a crash, unless SHUTDOWN
             # was sent first).
             self.channel.close()
-            for ch in self._peer_out.values():
-                ch.close()
-            if self._listener is not None:
-                try:
-                    self._listener.close()
-                except OSError:
-                    pass
+            self._close_peer_sockets()
             try:
                 self._sel.close()
                 self._wake_r.close()
@@ -398,6 +384,15 @@ class Engine:
 
     def _finish_shutdown(self) -> None:
         self._close(SHUT_DOWN_MESSAGE)
+        self._close_peer_sockets()
+        try:
+            self.channel.send((Msg.SHUTDOWN,))
+        except OSError:
+            pass
+        self.channel.close()
+
+    def _close_peer_sockets(self) -> None:
+        """The steady state's outgoing connections and listener (idempotent)."""
         for ch in self._peer_out.values():
             ch.close()
         if self._listener is not None:
@@ -405,11 +400,6 @@ class Engine:
                 self._listener.close()
             except OSError:
                 pass
-        try:
-            self.channel.send((Msg.SHUTDOWN,))
-        except OSError:
-            pass
-        self.channel.close()
 
     def _send_queued(self) -> None:
         with self._lock:
@@ -739,7 +729,7 @@ class Engine:
                 return
         if data:
             log.error("hvdlite: rejected a steady-state connection from %s: %s",
-                      _peer_name(sock), problem)
+                      peer_name(sock), problem)
         try:
             self._sel.unregister(sock)
         except (KeyError, ValueError):

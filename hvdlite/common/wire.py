@@ -30,6 +30,15 @@ class ProtocolError(ConnectionError):
     """A peer sent a frame that failed authentication or could not be parsed."""
 
 
+def peer_name(sock: socket.socket) -> str:
+    """"host:port" of the other end, for messages; "peer" once the socket is closed."""
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "peer"
+
+
 class Channel:
     """One authenticated, ordered, bidirectional message stream over a connected socket."""
 
@@ -110,11 +119,7 @@ class Channel:
             self.sock.settimeout(None)
 
     def _peer(self) -> str:
-        try:
-            host, port = self.sock.getpeername()[:2]
-            return f"{host}:{port}"
-        except OSError:
-            return "peer"
+        return peer_name(self.sock)
 
     def close(self) -> None:
         try:
