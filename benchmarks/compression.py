@@ -21,7 +21,6 @@ import argparse
 import copy
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hvdlite.torch as hvd  # noqa: E402
 from hvdlite.torch.stateful_compression import ring_allreduce_bytes  # noqa: E402
+from bench_util import free_port  # noqa: E402
 from models import MODELS  # noqa: E402
 
 
@@ -175,11 +175,6 @@ def main():
     dist.destroy_process_group()
     hvd.shutdown()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
+import sys
 import time
 
 import torch
@@ -26,7 +26,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import hvdlite.torch as hvd
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hvdlite.torch as hvd  # noqa: E402
+from bench_util import free_port, sgd_step  # noqa: E402
 
 
 class Block(nn.Module):
@@ -115,7 +117,7 @@ def main():
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
         backend = "nccl"
-    port = hvd.broadcast_object(_free_port() if rank == 0 else None, root_rank=0)
+    port = hvd.broadcast_object(free_port() if rank == 0 else None, root_rank=0)
     addr = os.environ.get("HVDLITE_STORE_ADDR", "127.0.0.1")
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
                             world_size=size)
@@ -132,15 +134,8 @@ def main():
                                           named_parameters=hv_model.named_parameters())
         ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.01)
 
-        def hv_step():
-            hv_opt.zero_grad()
-            F.cross_entropy(hv_model(x), y).backward()
-            hv_opt.step()
-
-        def ddp_step():
-            ddp_opt.zero_grad()
-            F.cross_entropy(ddp_model(x), y).backward()
-            ddp_opt.step()
+        hv_step = sgd_step(hv_model, hv_opt, x, y)
+        ddp_step = sgd_step(ddp_model, ddp_opt, x, y)
 
         timed(hv_step, 3, device)
         timed(ddp_step, 3, device)
@@ -205,11 +200,6 @@ def _clone(m: nn.Module) -> nn.Module:
     import copy
     return copy.deepcopy(m)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -33,8 +32,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import hvdlite.torch as hvd
-from hvdlite.torch import parallel as P
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hvdlite.torch as hvd  # noqa: E402
+from bench_util import free_port  # noqa: E402
+from hvdlite.torch import parallel as P  # noqa: E402
 
 
 def parse_args():
@@ -73,11 +74,6 @@ def solo_times(module: nn.Module, hidden: int, rows: int, reps: int = 5) -> tupl
         tb.append(t2 - t1)
     return statistics.median(tf[1:]), statistics.median(tb[1:])
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def main():

@@ -13,18 +13,17 @@ import argparse
 import copy
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hvdlite.torch as hvd  # noqa: E402
+from bench_util import free_port, sgd_step  # noqa: E402
 from models import MODELS  # noqa: E402
 
 
@@ -39,11 +38,6 @@ def parse_args():
     p.add_argument("--plot", default=None, help="PNG bar chart (rank 0, needs matplotlib)")
     return p.parse_args()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def time_steps(step, n: int) -> float:
@@ -74,20 +68,9 @@ def main():
                                           named_parameters=hv_model.named_parameters())
         ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.01)
 
-        def hv_step():
-            hv_opt.zero_grad()
-            F.cross_entropy(hv_model(x), y).backward()
-            hv_opt.step()
-
-        def ddp_step():
-            ddp_opt.zero_grad()
-            F.cross_entropy(ddp_model(x), y).backward()
-            ddp_opt.step()
-
-        def local_step():
-            local_opt.zero_grad()
-            F.cross_entropy(local_model(x), y).backward()
-            local_opt.step()
+        hv_step = sgd_step(hv_model, hv_opt, x, y)
+        ddp_step = sgd_step(ddp_model, ddp_opt, x, y)
+        local_step = sgd_step(local_model, local_opt, x, y)
 
         for step in (hv_step, ddp_step, local_step):
             time_steps(step, args.warmup)

@@ -16,7 +16,6 @@ import argparse
 import copy
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hvdlite.torch as hvd  # noqa: E402
+from bench_util import free_port  # noqa: E402
 from models import MODELS  # noqa: E402
 
 
@@ -144,11 +144,6 @@ class _Null:
     def __exit__(self, *a):
         return False
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
