@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import threading
 
+import numpy as np
 import torch
 
 from . import adasum as _adasum
@@ -44,6 +45,8 @@ class FusionBuffer:
                 # By index: list.remove would compare tensors with ==, elementwise.
                 return free.pop(min(fits, key=lambda i: free[i].numel()))
         size = (max(nbytes, 1 << 16) + 63) // 64 * 64
+        if device == "cpu":
+            return _host_buffer(size)
         return torch.empty(size, dtype=torch.uint8, device=device)
 
     def release(self, buf: torch.Tensor) -> None:
@@ -52,6 +55,59 @@ class FusionBuffer:
             free.append(buf)
             if len(free) > self.KEEP:
                 free.pop(min(range(len(free)), key=lambda i: free[i].numel()))
+
+
+def _host_buffer(nbytes: int) -> torch.Tensor:
+    """A CPU fusion buffer on transparent huge pages where the kernel offers them.
+
+    Why: MPI moves data between ranks through shared memory, and with 4 KiB pages the copies
+    spend their time on TLB misses: a 16 MiB MPICH allreduce on 2 ranks took 2.6 ms from a
+    torch-allocated buffer and 1.8 ms from one on huge pages (same process, same bytes). numpy
+    asks the kernel for huge pages (madvise) on every allocation of 4 MiB or more; torch's CPU
+    allocator does not. A shared anonymous mapping (mmap.mmap(-1, n)) would not do: shared memory
+    follows the kernel's separate shmem THP setting, usually off. The buffer is 64-byte aligned
+    like torch's own, so any dtype may be viewed on it.
+    """
+    raw = torch.from_numpy(np.empty(nbytes + 64, dtype=np.uint8))
+    start = (-raw.data_ptr()) % 64
+    return raw[start:start + nbytes]
+
+
+def pack(buf: torch.Tensor, inputs: list, counts: list[int]) -> None:
+    """Copy `inputs` (None: zeros) one after another into the flat `buf`.
+
+    Why one call: a fused step holds tens to hundreds of gradients, and a Python-level slice and
+    copy per tensor cost ~5 us each on top of the memcpy (0.5 ms per step for 100 tensors); one
+    torch.cat into the buffer does the copies in C++. The loop stays for the cases cat cannot
+    take: a joined rank's zeros, or inputs on another device than the buffer.
+    """
+    if inputs and all(t is not None and t.device == buf.device and t.dtype == buf.dtype
+                      for t in inputs):
+        torch.cat([t.reshape(-1) for t in inputs], out=buf)
+        return
+    offset = 0
+    for src, n in zip(inputs, counts):
+        part = buf[offset:offset + n]
+        if src is None:
+            part.zero_()
+        else:
+            part.copy_(src.reshape(-1))
+        offset += n
+
+
+def unpack(buf: torch.Tensor, outputs: list, counts: list[int]) -> None:
+    """Copy consecutive pieces of the flat `buf` into `outputs` (None: skipped), in one
+    multi-tensor copy (torch._foreach_copy_) rather than one Python-level copy per tensor."""
+    pieces = buf.split(counts)
+    dst = [o for o in outputs if o is not None]
+    src = [p.view(o.shape) for p, o in zip(pieces, outputs) if o is not None]
+    if not dst:
+        return
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(dst, src)
+    else:                                   # torch < 2.1
+        for d, p in zip(dst, src):
+            d.copy_(p)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -118,24 +174,13 @@ class Executor:
     def _allreduce_fused(self, comm, resp, inputs, outputs, op, post, counts, buf):
         names = resp.names
         self._tl(names, "MEMCPY_IN_FUSION_BUFFER")
-        offset = 0
-        for src, n in zip(inputs, counts):
-            part = buf[offset:offset + n]
-            if src is None:
-                part.zero_()
-            else:
-                part.copy_(src.reshape(-1))
-            offset += n
+        pack(buf, inputs, counts)
         scale_(buf, resp.prescale)
         self._tl(names, "ALLREDUCE")
         yield comm.allreduce(buf, op)
         scale_(buf, post)
         self._tl(names, "MEMCPY_OUT_FUSION_BUFFER")
-        offset = 0
-        for out, n in zip(outputs, counts):
-            if out is not None:
-                out.copy_(buf[offset:offset + n].view(out.shape))
-            offset += n
+        unpack(buf, outputs, counts)
 
     # ------------------------------------------------------------------ adasum
     def adasum(self, comm, resp: Response, inputs: list, outputs: list):
@@ -154,10 +199,7 @@ class Executor:
             send = raw[:nbytes].view(dtype)
             recv = raw[nbytes:nbytes * (comm.size + 1)]
             self._tl(resp.names, "MEMCPY_IN_FUSION_BUFFER")
-            offset = 0
-            for src, n in zip(inputs, counts):
-                send[offset:offset + n].copy_(src.reshape(-1))
-                offset += n
+            pack(send, inputs, counts)
             scale_(send, resp.prescale)
             self._tl(resp.names, "ADASUM_ALLGATHER")
             yield comm.allgather(recv, raw[:nbytes])
@@ -166,11 +208,7 @@ class Executor:
             result = _adasum.tree_reduce(rows, counts)
             scale_(result, resp.postscale)
             self._tl(resp.names, "MEMCPY_OUT_FUSION_BUFFER")
-            offset = 0
-            for out, n in zip(outputs, counts):
-                if out is not None:
-                    out.copy_(result[offset:offset + n].view(out.shape))
-                offset += n
+            unpack(result, outputs, counts)
         finally:
             self.fusion.release(raw)
 
