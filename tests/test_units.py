@@ -40,3 +40,70 @@ def test_broadcasts_fuse_only_with_the_same_root():
           _resp("z", rtype=BROADCAST, root=0)]
     names = [f.names for f in fuse_responses(rs, threshold=1 << 20)]
     assert names == [["x", "z"], ["y"]]
+
+
+def test_pack_and_unpack_round_trip_fused_groups_with_zeros_and_strides():
+    from hvdlite.common.collectives import pack, unpack
+    a, b, c = torch.arange(6.).view(2, 3), torch.arange(4.) + 10, torch.arange(3.) - 5
+    counts = [6, 4, 3]
+    buf = torch.empty(13)
+    pack(buf, [a, b, c], counts)                      # one torch.cat
+    assert torch.equal(buf, torch.cat([a.reshape(-1), b, c]))
+    pack(buf, [a, None, c], counts)                   # a joined rank's zeros: the loop
+    assert torch.equal(buf[6:10], torch.zeros(4)) and torch.equal(buf[10:], c)
+    out_a = torch.empty(3, 2).t()                     # non-contiguous destination
+    out_c = torch.empty(3)
+    unpack(torch.arange(13.), [out_a, None, out_c], counts)
+    assert torch.equal(out_a, torch.arange(6.).view(2, 3))
+    assert torch.equal(out_c, torch.arange(10., 13.))
+
+
+def test_fusion_buffers_are_aligned_for_every_dtype():
+    buf = FusionBuffer().acquire(5 << 20)
+    assert buf.data_ptr() % 64 == 0 and buf.numel() >= 5 << 20
+    buf[:8].view(torch.float64).fill_(1.5)            # any dtype may be viewed on it
+
+
+class _Work:
+    """A transport request completing after `polls` tests (the polling logic alone)."""
+
+    def __init__(self, polls: int, error: Exception | None = None):
+        self.polls, self.error, self.waited = polls, error, False
+
+    def is_completed(self) -> bool:
+        self.polls -= 1
+        return self.polls <= 0
+
+    def wait(self) -> None:
+        self.waited = True
+        if self.error is not None:
+            raise self.error
+
+
+def test_inline_poll_finishes_quick_work_and_hands_over_slow_work():
+    from hvdlite.common.engine import Engine
+    steps = []
+
+    def gen(works):
+        for w in works:
+            yield w
+            steps.append(w)
+
+    quick = [_Work(3), _Work(2)]                      # two phases, both quick
+    g = gen(quick)
+    assert Engine._poll_inline(g, next(g), 1.0) is None
+    assert steps == quick and all(w.waited for w in quick)
+
+    steps.clear()
+    slow = _Work(10 ** 9)
+    g = gen([slow])
+    assert Engine._poll_inline(g, next(g), 0.001) is slow    # deadline: back to the finisher
+    assert not slow.waited and steps == []
+
+    g = gen([_Work(1, RuntimeError("peer gone"))])
+    try:
+        Engine._poll_inline(g, next(g), 1.0)
+    except RuntimeError as exc:
+        assert "peer gone" in str(exc)
+    else:
+        raise AssertionError("a transport error must propagate")

@@ -67,6 +67,9 @@ def wait_mode(local_ranks: int | None = None) -> str:
     return "yield" if local_ranks > _cores() else "spin"
 
 
+INLINE_POLL_S = 250e-6
+
+
 def _yielding_wait(req) -> None:
     """Poll with Test(), sleeping a little longer each time (up to 200 us) so the core goes to
     the rank being waited for; never spins for long."""
@@ -114,6 +117,10 @@ class MPICommunicator:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.yielding = wait_mode() == "yield"
+        # The engine may poll a small collective for this long before handing it to its
+        # finisher thread (Engine._poll_inline): MPI's shared-memory latency is a few us, far
+        # below a thread hand-off. Not when ranks outnumber cores: polling would take the core.
+        self.inline_poll_s = 0.0 if self.yielding else INLINE_POLL_S
 
     @classmethod
     def for_ranks(cls, world, ranks: list[int]) -> "MPICommunicator":
