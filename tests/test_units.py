@@ -56,6 +56,11 @@ def test_pack_and_unpack_round_trip_fused_groups_with_zeros_and_strides():
     unpack(torch.arange(13.), [out_a, None, out_c], counts)
     assert torch.equal(out_a, torch.arange(6.).view(2, 3))
     assert torch.equal(out_c, torch.arange(10., 13.))
+    unpack(torch.arange(13.), [out_a, None, out_c], counts, 0.5)     # Average's 1/size
+    assert torch.equal(out_a, torch.arange(6.).view(2, 3) * 0.5)
+    ints = [torch.empty(2, dtype=torch.int32), torch.empty(1, dtype=torch.int32)]
+    unpack(torch.tensor([3, 5, 7], dtype=torch.int32), ints, [2, 1], 0.5)
+    assert ints[0].tolist() == [1, 2] and ints[1].tolist() == [3]     # truncated, as Horovod
 
 
 def test_fusion_buffers_are_aligned_for_every_dtype():

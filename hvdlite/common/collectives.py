@@ -95,13 +95,25 @@ def pack(buf: torch.Tensor, inputs: list, counts: list[int]) -> None:
         offset += n
 
 
-def unpack(buf: torch.Tensor, outputs: list, counts: list[int]) -> None:
-    """Copy consecutive pieces of the flat `buf` into `outputs` (None: skipped), in one
-    multi-tensor copy (torch._foreach_copy_) rather than one Python-level copy per tensor."""
+def unpack(buf: torch.Tensor, outputs: list, counts: list[int], scale: float = 1.0) -> None:
+    """Copy consecutive pieces of the flat `buf` into `outputs` (None: skipped), times `scale`.
+
+    One multi-tensor copy (torch._foreach_copy_) rather than one Python-level copy per tensor.
+    A floating-point scale (Average's 1/size) is applied while copying, one pass over memory
+    instead of two: scaling a 15 MB fused gradient in place first cost ~1 ms per step. Integer
+    results are scaled in the buffer first (scale_ truncates as Horovod does).
+    """
+    if scale != 1.0 and not buf.is_floating_point():
+        scale_(buf, scale)
+        scale = 1.0
     pieces = buf.split(counts)
     dst = [o for o in outputs if o is not None]
     src = [p.view(o.shape) for p, o in zip(pieces, outputs) if o is not None]
     if not dst:
+        return
+    if scale != 1.0:
+        for d, p in zip(dst, src):
+            torch.mul(p, scale, out=d)
         return
     if hasattr(torch, "_foreach_copy_"):
         torch._foreach_copy_(dst, src)
@@ -178,9 +190,8 @@ class Executor:
         scale_(buf, resp.prescale)
         self._tl(names, "ALLREDUCE")
         yield comm.allreduce(buf, op)
-        scale_(buf, post)
         self._tl(names, "MEMCPY_OUT_FUSION_BUFFER")
-        unpack(buf, outputs, counts)
+        unpack(buf, outputs, counts, post)
 
     # ------------------------------------------------------------------ adasum
     def adasum(self, comm, resp: Response, inputs: list, outputs: list):
