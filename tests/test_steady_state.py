@@ -3,6 +3,8 @@
 Worker: tests/workers/steady_state.py, one `CHECK <name> OK|FAIL` line per check and rank.
 - steady_hits: after a few steps, cached tensors are released by rounds between the ranks, with
   no message to the coordinator (engine counters), results equal to the local reference;
+- buckets: a step's gradients, submitted one by one, go out as ~2 buckets (engine counters);
+  synchronous calls are not held back for their bucket;
 - changed_shape: a changed shape after the steady state falls back to full negotiation and
   raises today's mismatch error on every rank; the job returns to the steady state;
 - join: uneven inputs with hvd.join() across the steady state;
@@ -15,7 +17,7 @@ import pytest
 
 from util import Run
 
-CHECKS = ["steady_hits", "changed_shape", "join", "process_set"]
+CHECKS = ["steady_hits", "buckets", "changed_shape", "join", "process_set"]
 
 
 @pytest.fixture(scope="module")

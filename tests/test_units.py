@@ -112,3 +112,25 @@ def test_inline_poll_finishes_quick_work_and_hands_over_slow_work():
         assert "peer gone" in str(exc)
     else:
         raise AssertionError("a transport error must propagate")
+
+
+def test_bucket_planner_cuts_the_last_pass_like_ddp_and_releases_complete_buckets():
+    from hvdlite.common.buckets import BucketPlanner
+    mb = 1 << 20
+    plan = BucketPlanner(cap_bytes=4 * mb, first_bytes=mb)
+    step = [("g3", mb // 2), ("g2", mb), ("g1", 3 * mb), ("g0", 2 * mb)]
+    t = 0.0
+    for name, n in step:                               # first pass: no plan, nothing held
+        assert plan.observe(0, name, n, t) == (False, -1)
+        t += 0.01
+    # Second pass: bucket 0 = g3 + g2 (>= 1 MiB), bucket 1 = g1 + g0 (>= 4 MiB).
+    assert plan.observe(0, "g3", mb // 2, 1.0) == (True, 0)     # held for g2
+    assert not plan.complete(0, 0)
+    assert plan.observe(0, "g2", mb, 1.01) == (False, -1)       # completes bucket 0
+    assert plan.complete(0, 0)
+    assert plan.observe(0, "g1", 3 * mb, 1.02) == (False, 1)
+    assert plan.observe(0, "g0", 2 * mb, 1.03) == (False, -1)
+    assert plan.observe(0, "new", 8, 1.04) == (False, -1)       # not in the plan: goes at once
+    assert plan.observe(7, "g3", 8, 1.05) == (False, -1)        # another set: its own plan
+    assert 0.05 <= plan.hold_s(0) <= 1.0
+    assert not BucketPlanner(0, mb).enabled

@@ -48,6 +48,11 @@ VARIABLES: tuple[Var, ...] = (
     _v("CACHE_CAPACITY", "int", 1024, "response cache entries; 0 disables the cache"),
     _v("STEADY_STATE", "bool", True, "0 keeps every cycle on the coordinator in rank 0 (no "
        "decentralised steady state)"),
+    _v("BUCKET_CAP_MB", "float", 25.0, "steady-state gradient buckets: an allreduce waits until "
+       "its bucket (about this many MB, in the order the last step submitted them) is complete; "
+       "0 sends each as soon as every rank has it (Horovod's behaviour)", _L),
+    _v("FIRST_BUCKET_MB", "float", 1.0, "size of the first bucket of a step (small, so transfer "
+       "starts early)", _L),
     _v("MPI_WAIT", "str", "auto", "`spin`, `yield` or `auto`: how MPI waits use the core; auto "
        "yields when a host runs more ranks than cores"),
     _v("DISABLE_GROUP_FUSION", "bool", False, "grouped tensors fuse only with their own group"),
@@ -268,6 +273,9 @@ class Settings:
     # The decentralised steady state (steady.py); HVDLITE_STEADY_STATE=0 keeps every cycle on
     # the coordinator.
     steady_state: bool = True
+    # Gradient buckets in the steady state (buckets.py), torch DDP's defaults; 0 turns them off.
+    bucket_cap_bytes: int = 25 * 1024 * 1024
+    first_bucket_bytes: int = 1024 * 1024
     stall_check_disable: bool = False
     stall_warning_s: float = 60.0
     # Horovod never shuts down on a stall (0). A silent hang is the top complaint of its users, so
@@ -302,6 +310,8 @@ class Settings:
         s.cycle_time_ms = env_float("CYCLE_TIME", s.cycle_time_ms)
         s.cache_capacity = env_int("CACHE_CAPACITY", s.cache_capacity)
         s.steady_state = env_bool("STEADY_STATE", True)
+        s.bucket_cap_bytes = int(env_float("BUCKET_CAP_MB", 25.0) * 1024 * 1024)
+        s.first_bucket_bytes = int(env_float("FIRST_BUCKET_MB", 1.0) * 1024 * 1024)
         s.stall_check_disable = env_bool("STALL_CHECK_DISABLE", False)
         s.stall_warning_s = env_float("STALL_CHECK_TIME_SECONDS", s.stall_warning_s)
         s.stall_shutdown_s = env_float("STALL_SHUTDOWN_TIME_SECONDS", s.stall_shutdown_s)

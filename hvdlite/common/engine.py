@@ -35,6 +35,7 @@ from .messages import (ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER,
                        Request, Response)
 from .protocol import Item, Msg
 from .response_cache import RankCache
+from .buckets import BucketPlanner
 from .steady import STEADY_MSG, SteadySet, build_responses, gone_message
 from .wire import Channel, ProtocolError, peer_name
 
@@ -53,7 +54,7 @@ class Handle:
     """Completion of one enqueue call (one or more tensors)."""
 
     __slots__ = ("_event", "_pending", "entries", "error", "_lock", "callbacks", "_release",
-                 "mismatch")
+                 "mismatch", "_on_wait")
 
     def __init__(self, entries: list):
         self._event = threading.Event()
@@ -64,6 +65,8 @@ class Handle:
         self.mismatch = False       # the error is the coordinator's (ranks disagreed)
         self.callbacks: list[Callable] = []
         self._release: Callable[[], None] | None = None   # frees the names once waited for
+        # Called once when a caller starts waiting: held-back entries (buckets.py) go at once.
+        self._on_wait: Callable[[], None] | None = None
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -112,6 +115,9 @@ class Handle:
         """Results of every entry, in order; raises HorovodInternalError on failure, and
         TimeoutError (leaving the handle usable) when `timeout` seconds pass first."""
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        on_wait, self._on_wait = self._on_wait, None
+        if on_wait is not None and not self._event.is_set():
+            on_wait()
         while True:
             step = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
             if self._event.wait(step):
@@ -215,9 +221,16 @@ class Engine:
             peer_listener.setblocking(False)
             self._sel.register(peer_listener, selectors.EVENT_READ, "listen")
         self._releasing = False
+        # Gradient buckets (buckets.py): steady-state allreduces held back until their bucket
+        # is complete, as (entry, set, bucket, deadline); a waiter sets _flush.
+        self.buckets = BucketPlanner(settings.bucket_cap_bytes, settings.first_bucket_bytes) \
+            if settings.steady_state else BucketPlanner(0, 0)
+        self._held: list = []
+        self._flush = False
         self._report_after = max(0.05, min(1.0, settings.stall_warning_s / 4))
         self.counters = {"coordinator_messages": 0, "coordinator_tensors": 0,
                          "steady_entered": 0, "steady_rounds": 0, "steady_released": 0,
+                         "steady_groups": 0,
                          "steady_fallbacks": 0, "bounced": 0, "peer_messages": 0}
         self.thread = threading.Thread(target=self._run, name="hvdlite-background", daemon=True)
         self.finisher = threading.Thread(target=self._finish_loop, name="hvdlite-finisher",
@@ -265,6 +278,8 @@ class Engine:
             tags = dict(self.epochs)
             self._reserved.update(keys)
             handle._release = lambda: self._unreserve(keys)
+            if self.steady and self.buckets.enabled:
+                handle._on_wait = self._request_flush
             for key, e in zip(keys, entries):
                 e.handle = handle
                 e.flight = RECORDER.enqueued(e.request)
@@ -287,6 +302,12 @@ class Engine:
     def _unreserve(self, keys: list) -> None:
         with self._lock:
             self._reserved.difference_update(keys)
+
+    def _request_flush(self) -> None:
+        """A caller waits on a handle: nothing of it may stay held back for a bucket."""
+        if self._held or self._queue:
+            self._flush = True
+            self._wake()
 
     def _wake(self) -> None:
         try:
@@ -341,6 +362,8 @@ class Engine:
                     timeout = left
             if self.steady:
                 timeout = min(timeout, self._steady_timeout())
+            if self._held:
+                timeout = max(0.0, min(timeout, min(h[3] for h in self._held) - time.monotonic()))
             eof = False
             for key, _ in self._sel.select(timeout):
                 if key.data == "wake":
@@ -376,6 +399,8 @@ class Engine:
             for msg in msgs:
                 if not self._on_message(msg):
                     return
+            if self._held:
+                self._release_held()
             if self.steady:
                 for st in list(self.steady.values()):
                     self._steady_kick(st)      # rounds held back while another released
@@ -409,6 +434,54 @@ class Engine:
         with self._lock:
             entries = list(self._queue)
             self._queue.clear()
+        if entries and self.steady and self.buckets.enabled:
+            entries = self._hold_back(entries)
+        self._dispatch(entries)
+
+    def _hold_back(self, entries: list) -> list:
+        """Hold steady-state allreduces until their bucket is complete (buckets.py); returns
+        what goes now, in submission order, including held entries whose bucket just filled."""
+        now = time.monotonic()
+        go = []
+        for e in entries:
+            req = e.request
+            sid = req.process_set_id
+            if sid not in self.steady or req.type != ALLREDUCE or req.group is not None \
+                    or not req.cacheable:
+                go.append(e)
+                continue
+            new_pass, bucket = self.buckets.observe(sid, req.name, req.nbytes(), now)
+            if new_pass:                  # a new step began: whatever the last one held goes
+                go[:0] = [h[0] for h in self._held if h[1] == sid]
+                self._held = [h for h in self._held if h[1] != sid]
+            if bucket < 0 or self._flush:
+                done = {h[2] for h in self._held if h[1] == sid
+                        and self.buckets.complete(sid, h[2])}
+                if done:
+                    go.extend(h[0] for h in self._held if h[1] == sid and h[2] in done)
+                    self._held = [h for h in self._held if not (h[1] == sid and h[2] in done)]
+                go.append(e)
+            else:
+                self._held.append((e, sid, bucket, now + self.buckets.hold_s(sid)))
+        if self._flush:
+            self._flush = False
+            go.extend(h[0] for h in self._held)
+            self._held = []
+        return go
+
+    def _release_held(self) -> None:
+        """Send held entries that are due: on a waiter's request, past their deadline, or whose
+        set is no longer steady (they go to the coordinator like any other request)."""
+        now = time.monotonic()
+        flush, self._flush = self._flush, False
+        go = [h for h in self._held if flush or now >= h[3] or h[1] not in self.steady]
+        if go:
+            self._held = [h for h in self._held
+                          if not (flush or now >= h[3] or h[1] not in self.steady)]
+            self._dispatch([h[0] for h in go])
+
+    def _dispatch(self, entries: list) -> None:
+        """Hand entries on: cached ones of a steady set to its rounds, the rest to rank 0."""
         if not entries:
             return
         if self.steady:
@@ -582,6 +655,7 @@ class Engine:
             try:
                 for resp in build_responses(self.cache, st.set_id, [b for b, _ in released],
                                             threshold, not self.settings.disable_group_fusion):
+                    self.counters["steady_groups"] += 1
                     self._execute(resp)
                     if self._closed is not None:
                         return
@@ -959,6 +1033,7 @@ class Engine:
             self._idle.notify_all()
             self._inflight.clear()
             self._queue.clear()
+            self._held = []
         for e in pending:
             RECORDER.finished(e.flight, reason)
             e.handle._fail(reason)

@@ -1,0 +1,108 @@
+"""Gradient buckets: hold a step's cached allreduces back until a bucket of them is complete.
+
+Why: a training step submits its gradients one by one as backpropagation produces them, and
+the steady state (steady.py) releases whatever every rank has submitted at each round, so a
+step's gradients went out as many small fused groups. Each transport call has a fixed cost
+that does not shrink with its size (gloo: 0.6-0.9 ms for anything up to 1 MiB on this project's
+machine), and on a machine with few cores the early groups' transfers also take the core from
+the rank still computing its backward pass. torch DDP avoids both with buckets: a fixed plan of
+~25 MB groups in gradient order, each sent once complete. Measured with 2 ranks on gloo, holding
+a step's gradients until complete took the step from 1.26 / 1.27 / 1.21 x DDP to 1.17 / 1.07 /
+1.05 x (MLP / CNN / transformer).
+
+How: the planner learns, per process set, the order and sizes in which one pass (one training
+step) submits its allreduces: a pass ends where a name comes back. From the last complete pass
+it cuts buckets as DDP does (the first one small, HVDLITE_FIRST_BUCKET_MB, so transfer starts
+early; then about HVDLITE_BUCKET_CAP_MB each). An entry is held until every tensor of its
+bucket has been submitted in this pass. It is released at once when there is no plan yet, when
+its name is not in the plan (the pattern changed), when someone waits on its handle (a
+synchronous call or `synchronize()` never waits for a bucket), or after a deadline (1.5 x the
+last pass's span, between 50 ms and 1 s). Holding is rank-local: what is released still goes
+through the steady state's rounds, which release only what every rank has, so a rank that
+buckets differently is slower, never wrong. HVDLITE_BUCKET_CAP_MB=0 turns buckets off.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _SetPlan:
+    """One process set's pass history and bucket plan."""
+
+    current: dict = field(default_factory=dict)      # name -> nbytes, this pass, in order
+    first_seen: float = 0.0
+    last_seen: float = 0.0
+    bucket_of: dict = field(default_factory=dict)    # name -> bucket index (last pass)
+    sizes: list = field(default_factory=list)        # names per bucket
+    arrived: list = field(default_factory=list)      # names of each bucket seen this pass
+    span_s: float = 0.0                              # last pass: first to last submission
+
+
+class BucketPlanner:
+    """Decides, per submitted allreduce, whether it may go now or waits for its bucket."""
+
+    MIN_HOLD_S = 0.05
+    MAX_HOLD_S = 1.0
+
+    def __init__(self, cap_bytes: int, first_bytes: int):
+        self.cap_bytes = max(int(cap_bytes), 0)
+        self.first_bytes = max(int(first_bytes), 0)
+        self._sets: dict[int, _SetPlan] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.cap_bytes > 0
+
+    def observe(self, set_id: int, name: str, nbytes: int,
+                now: float | None = None) -> tuple[bool, int]:
+        """Record a submission (in submission order). Returns (new_pass, bucket): new_pass says
+        a pass just ended (anything still held should go), bucket is the index of the name's
+        bucket if it is held back for it, else -1 (release now)."""
+        now = time.monotonic() if now is None else now
+        plan = self._sets.setdefault(set_id, _SetPlan())
+        new_pass = name in plan.current
+        if new_pass:
+            self._cut(plan)
+        if not plan.current:
+            plan.first_seen = now
+        plan.current[name] = nbytes
+        plan.last_seen = now
+        b = plan.bucket_of.get(name, -1)
+        if b < 0:
+            return new_pass, -1
+        plan.arrived[b] += 1
+        return new_pass, (-1 if plan.arrived[b] >= plan.sizes[b] else b)
+
+    def complete(self, set_id: int, bucket: int) -> bool:
+        plan = self._sets.get(set_id)
+        return plan is None or bucket >= len(plan.sizes) or \
+            plan.arrived[bucket] >= plan.sizes[bucket]
+
+    def hold_s(self, set_id: int) -> float:
+        """How long an entry of this set may be held at most."""
+        plan = self._sets.get(set_id)
+        span = plan.span_s if plan is not None else 0.0
+        return min(max(1.5 * span, self.MIN_HOLD_S), self.MAX_HOLD_S)
+
+    def forget(self, set_id: int) -> None:
+        self._sets.pop(set_id, None)
+
+    def _cut(self, plan: _SetPlan) -> None:
+        """The pass in `current` is complete: make it the plan, DDP's way (in gradient order,
+        the first bucket from first_bytes on, then buckets of about cap_bytes)."""
+        plan.bucket_of, plan.sizes = {}, []
+        limit, filled, count = max(self.first_bytes, 1), 0, 0
+        for name, nbytes in plan.current.items():
+            plan.bucket_of[name] = len(plan.sizes)
+            filled += nbytes
+            count += 1
+            if filled >= limit:
+                plan.sizes.append(count)
+                limit, filled, count = self.cap_bytes, 0, 0
+        if count:
+            plan.sizes.append(count)
+        plan.arrived = [0] * len(plan.sizes)
+        plan.span_s = plan.last_seen - plan.first_seen
+        plan.current = {}
