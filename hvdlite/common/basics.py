@@ -356,8 +356,13 @@ def engine() -> Engine:
 
 def engine_counters() -> dict:
     """This rank's engine counters: messages to the coordinator, steady-state rounds and the
-    tensors they released, fallbacks to full negotiation (tests and benchmarks read them)."""
-    return dict(_require().engine.counters)
+    tensors they released, fallbacks to full negotiation (tests and benchmarks read them), and
+    `shm_collectives`: collectives the gloo transport ran through shared memory."""
+    engine = _require().engine
+    counters = dict(engine.counters)
+    counters["shm_collectives"] = sum(getattr(getattr(c, "shm", None), "ops", 0)
+                                      for c in list(engine.comms.values()))
+    return counters
 
 
 # ---------------------------------------------------------------------- process sets

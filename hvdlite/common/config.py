@@ -55,6 +55,11 @@ VARIABLES: tuple[Var, ...] = (
        "starts early)", _L),
     _v("MPI_WAIT", "str", "auto", "`spin`, `yield` or `auto`: how MPI waits use the core; auto "
        "yields when a host runs more ranks than cores"),
+    _v("SHM", "str", "auto", "`auto`, `1` or `0`: ranks of a gloo job that share a host move "
+       "allreduce, reducescatter, allgather and broadcast data through shared memory (/dev/shm) "
+       "instead of TCP loopback; auto: on x86-64", _L),
+    _v("SHM_SLOT_MB", "float", 8.0, "per-rank shared-memory slot; larger collectives run in "
+       "chunks of this size", _L),
     _v("DISABLE_GROUP_FUSION", "bool", False, "grouped tensors fuse only with their own group"),
     _v("HIERARCHICAL_ALLREDUCE", "bool", False,
        "reduce within each host, allreduce across hosts, broadcast within each host"),

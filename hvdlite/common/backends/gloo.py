@@ -1,6 +1,9 @@
 """Gloo transport: torch's own build of gloo (ProcessGroupGloo) over the job's c10d store.
 
 pygloo has no wheels for current Python, so torch's build is the one available everywhere.
+When every rank of a communicator is on one host, allreduce, reducescatter, allgather and
+broadcast of CPU tensors go through shared memory instead of gloo's TCP loopback (shm.py);
+gloo carries the rest, and everything when the ranks span hosts or HVDLITE_SHM=0.
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..messages import MAX, MIN, PRODUCT, SUM
+from . import shm
 
 _OPS = {SUM: dist.ReduceOp.SUM, MIN: dist.ReduceOp.MIN, MAX: dist.ReduceOp.MAX,
         PRODUCT: dist.ReduceOp.PRODUCT}
@@ -38,8 +42,20 @@ class GlooCommunicator:
         self.size = size
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size,
                                         datetime.timedelta(seconds=timeout_s))
+        self.shm = shm.connect(dist.PrefixStore(prefix + "shm/", store), rank, size, timeout_s,
+                               self._all_agree)
+
+    def _all_agree(self, ok: bool) -> bool:
+        """True on every rank when `ok` is True on every rank (one gloo allreduce)."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.pg.allreduce([flag], opts).wait()
+        return bool(flag.item())
 
     def allreduce(self, tensor: torch.Tensor, op: int):
+        if self.shm is not None and self.shm.handles(tensor, reduce=True):
+            return self.shm.allreduce(tensor, op)
         wide = _WIDEN.get(tensor.dtype)
         work = tensor.to(wide) if wide is not None else tensor
         opts = dist.AllreduceOptions()
@@ -48,6 +64,9 @@ class GlooCommunicator:
         return _Widened(pending, work, tensor) if wide is not None else pending
 
     def reducescatter(self, output: torch.Tensor, tensor: torch.Tensor, op: int):
+        if (self.shm is not None and self.shm.handles(output, reduce=True)
+                and self.shm.handles(tensor, reduce=True)):
+            return self.shm.reducescatter(output, tensor, op)
         wide = _WIDEN.get(output.dtype)
         out = output.to(wide) if wide is not None else output
         if wide is not None:
@@ -60,11 +79,16 @@ class GlooCommunicator:
         return _Widened(pending, out, output) if wide is not None else pending
 
     def allgather(self, output: torch.Tensor, tensor: torch.Tensor):
+        if (self.shm is not None and self.shm.handles(output, reduce=False)
+                and self.shm.handles(tensor, reduce=False)):
+            return self.shm.allgather(output, tensor)
         n = tensor.numel()
         outs = [output[i * n:(i + 1) * n] for i in range(self.size)]
         return self.pg.allgather([outs], [tensor])
 
     def broadcast(self, tensor: torch.Tensor, root: int):
+        if self.shm is not None and self.shm.handles(tensor, reduce=False):
+            return self.shm.broadcast(tensor, root)
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         return self.pg.broadcast([tensor], opts)
@@ -75,6 +99,8 @@ class GlooCommunicator:
                                      dist.AllToAllOptions())
 
     def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
         try:
             self.pg.shutdown()
         except Exception:
