@@ -134,3 +134,24 @@ def test_bucket_planner_cuts_the_last_pass_like_ddp_and_releases_complete_bucket
     assert plan.observe(7, "g3", 8, 1.05) == (False, -1)        # another set: its own plan
     assert 0.05 <= plan.hold_s(0) <= 1.0
     assert not BucketPlanner(0, mb).enabled
+
+
+def test_bucket_planner_aligns_passes_to_waits_and_keeps_a_plan_per_pass_shape():
+    """Learning began mid-step (g1, g0 | g3, g2, ...): without the wait boundary every bucket
+    straddled two steps and never completed. A metric allreduce between steps keeps its own
+    plan and does not overwrite the gradients' one."""
+    from hvdlite.common.buckets import BucketPlanner
+    mb = 1 << 20
+    plan = BucketPlanner(cap_bytes=4 * mb, first_bytes=mb)
+    step = [("g3", mb // 2), ("g2", mb), ("g1", 3 * mb), ("g0", 2 * mb)]
+    t = 0.0
+    for name, n in step[2:]:                           # joined mid-step
+        plan.observe(0, name, n, t)
+    for k in range(3):
+        for i, (name, n) in enumerate(step):           # step() waited before each step
+            plan.observe(0, name, n, t, boundary=(i == 0))
+            t += 0.01
+        plan.observe(0, "loss", 4, t, boundary=True)  # a synchronous metric after step()
+    got = [plan.observe(0, name, n, t, boundary=(i == 0)) for i, (name, n) in enumerate(step)]
+    assert got == [(True, 0), (False, -1), (False, 1), (False, -1)], got
+    assert plan.observe(0, "loss", 4, t, boundary=True) == (True, -1)

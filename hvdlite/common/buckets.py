@@ -11,15 +11,20 @@ a step's gradients until complete took the step from 1.26 / 1.27 / 1.21 x DDP to
 1.05 x (MLP / CNN / transformer).
 
 How: the planner learns, per process set, the order and sizes in which one pass (one training
-step) submits its allreduces: a pass ends where a name comes back. From the last complete pass
-it cuts buckets as DDP does (the first one small, HVDLITE_FIRST_BUCKET_MB, so transfer starts
-early; then about HVDLITE_BUCKET_CAP_MB each). An entry is held until every tensor of its
-bucket has been submitted in this pass. It is released at once when there is no plan yet, when
-its name is not in the plan (the pattern changed), when someone waits on its handle (a
-synchronous call or `synchronize()` never waits for a bucket), or after a deadline (1.5 x the
-last pass's span, between 50 ms and 1 s). Holding is rank-local: what is released still goes
-through the steady state's rounds, which release only what every rank has, so a rank that
-buckets differently is slower, never wrong. HVDLITE_BUCKET_CAP_MB=0 turns buckets off.
+step) submits its allreduces. A pass ends where a caller waited for results since the last
+submission (the optimizer's step() synchronizing), or where a name comes back. Aligning passes
+to waits matters: a pass learned from the middle of one step to the middle of the next (the
+steady state begins at an arbitrary point) made every bucket straddle two steps, so none ever
+completed and every gradient went out on its own. Each pass shape is kept under its first name,
+so a loop that alternates shapes (gradients, then a metric allreduce) keeps a plan for each.
+From a pass it cuts buckets as DDP does (the first one small, HVDLITE_FIRST_BUCKET_MB, so
+transfer starts early; then about HVDLITE_BUCKET_CAP_MB each). An entry is held until every
+tensor of its bucket has been submitted in this pass. It is released at once when there is no
+plan yet, when its name is not in the plan (the pattern changed), when someone waits on its
+handle (a synchronous call or `synchronize()` never waits for a bucket), or after a deadline
+(1.5 x the last pass's span, between 50 ms and 1 s). Holding is rank-local: what is released
+still goes through the steady state's rounds, which release only what every rank has, so a rank
+that buckets differently is slower, never wrong. HVDLITE_BUCKET_CAP_MB=0 turns buckets off.
 """
 from __future__ import annotations
 
@@ -28,16 +33,24 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class _Plan:
+    """Buckets cut from one learned pass."""
+
+    bucket_of: dict = field(default_factory=dict)    # name -> bucket index
+    sizes: list = field(default_factory=list)        # names per bucket
+    span_s: float = 0.0                              # first to last submission
+
+
+@dataclass
 class _SetPlan:
-    """One process set's pass history and bucket plan."""
+    """One process set's pass history and bucket plans."""
 
     current: dict = field(default_factory=dict)      # name -> nbytes, this pass, in order
     first_seen: float = 0.0
     last_seen: float = 0.0
-    bucket_of: dict = field(default_factory=dict)    # name -> bucket index (last pass)
-    sizes: list = field(default_factory=list)        # names per bucket
+    plans: dict = field(default_factory=dict)        # first name of a pass -> _Plan
+    active: _Plan = field(default_factory=_Plan)     # the plan of the pass under way
     arrived: list = field(default_factory=list)      # names of each bucket seen this pass
-    span_s: float = 0.0                              # last pass: first to last submission
 
 
 class BucketPlanner:
@@ -45,6 +58,7 @@ class BucketPlanner:
 
     MIN_HOLD_S = 0.05
     MAX_HOLD_S = 1.0
+    MAX_PLANS = 16                                   # pass shapes kept per set
 
     def __init__(self, cap_bytes: int, first_bytes: int):
         self.cap_bytes = max(int(cap_bytes), 0)
@@ -55,54 +69,60 @@ class BucketPlanner:
     def enabled(self) -> bool:
         return self.cap_bytes > 0
 
-    def observe(self, set_id: int, name: str, nbytes: int,
-                now: float | None = None) -> tuple[bool, int]:
-        """Record a submission (in submission order). Returns (new_pass, bucket): new_pass says
-        a pass just ended (anything still held should go), bucket is the index of the name's
-        bucket if it is held back for it, else -1 (release now)."""
+    def observe(self, set_id: int, name: str, nbytes: int, now: float | None = None,
+                boundary: bool = False) -> tuple[bool, int]:
+        """Record a submission (in submission order); `boundary` says a caller waited for
+        results since the previous submission. Returns (new_pass, bucket): new_pass says a pass
+        just ended (anything still held should go), bucket is the index of the name's bucket if
+        it is held back for it, else -1 (release now)."""
         now = time.monotonic() if now is None else now
         plan = self._sets.setdefault(set_id, _SetPlan())
-        new_pass = name in plan.current
+        new_pass = name in plan.current or (boundary and bool(plan.current))
         if new_pass:
             self._cut(plan)
         if not plan.current:
             plan.first_seen = now
+            plan.active = plan.plans.get(name) or _Plan()
+            plan.arrived = [0] * len(plan.active.sizes)
         plan.current[name] = nbytes
         plan.last_seen = now
-        b = plan.bucket_of.get(name, -1)
+        b = plan.active.bucket_of.get(name, -1)
         if b < 0:
             return new_pass, -1
         plan.arrived[b] += 1
-        return new_pass, (-1 if plan.arrived[b] >= plan.sizes[b] else b)
+        return new_pass, (-1 if plan.arrived[b] >= plan.active.sizes[b] else b)
 
     def complete(self, set_id: int, bucket: int) -> bool:
         plan = self._sets.get(set_id)
-        return plan is None or bucket >= len(plan.sizes) or \
-            plan.arrived[bucket] >= plan.sizes[bucket]
+        return plan is None or bucket >= len(plan.active.sizes) or \
+            plan.arrived[bucket] >= plan.active.sizes[bucket]
 
     def hold_s(self, set_id: int) -> float:
         """How long an entry of this set may be held at most."""
         plan = self._sets.get(set_id)
-        span = plan.span_s if plan is not None else 0.0
+        span = plan.active.span_s if plan is not None else 0.0
         return min(max(1.5 * span, self.MIN_HOLD_S), self.MAX_HOLD_S)
 
     def forget(self, set_id: int) -> None:
         self._sets.pop(set_id, None)
 
     def _cut(self, plan: _SetPlan) -> None:
-        """The pass in `current` is complete: make it the plan, DDP's way (in gradient order,
-        the first bucket from first_bytes on, then buckets of about cap_bytes)."""
-        plan.bucket_of, plan.sizes = {}, []
+        """The pass in `current` is complete: keep its buckets under its first name, DDP's way
+        (in gradient order, the first bucket from first_bytes on, then about cap_bytes each)."""
+        learned = _Plan(span_s=plan.last_seen - plan.first_seen)
         limit, filled, count = max(self.first_bytes, 1), 0, 0
         for name, nbytes in plan.current.items():
-            plan.bucket_of[name] = len(plan.sizes)
+            learned.bucket_of[name] = len(learned.sizes)
             filled += nbytes
             count += 1
             if filled >= limit:
-                plan.sizes.append(count)
+                learned.sizes.append(count)
                 limit, filled, count = self.cap_bytes, 0, 0
         if count:
-            plan.sizes.append(count)
-        plan.arrived = [0] * len(plan.sizes)
-        plan.span_s = plan.last_seen - plan.first_seen
+            learned.sizes.append(count)
+        first = next(iter(plan.current))
+        plan.plans.pop(first, None)
+        plan.plans[first] = learned                  # most recent last: evict the oldest
+        while len(plan.plans) > self.MAX_PLANS:
+            plan.plans.pop(next(iter(plan.plans)))
         plan.current = {}

@@ -15,6 +15,7 @@ coordinator the moment anything is not a cache hit. `counters` counts both paths
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -152,6 +153,7 @@ class Entry:
     sent_bit: int = -1            # the cache bit sent instead of the request, if any
     ready_event: Any = None       # CUDA input: event recorded on the caller's stream
     flight: Any = None            # this collective's flight-recorder record
+    seq: int = 0                  # submission order on this rank (bucket passes)
 
 
 class _PeerGreeting:
@@ -227,6 +229,9 @@ class Engine:
             if settings.steady_state else BucketPlanner(0, 0)
         self._held: list = []
         self._flush = False
+        self._submitted = 0               # entries enqueued so far (Entry.seq)
+        self._wait_marks: collections.deque = collections.deque()  # _submitted at each wait
+        self._observed_seq = 0            # seq of the last entry the planner saw
         self._report_after = max(0.05, min(1.0, settings.stall_warning_s / 4))
         self.counters = {"coordinator_messages": 0, "coordinator_tensors": 0,
                          "steady_entered": 0, "steady_rounds": 0, "steady_released": 0,
@@ -290,6 +295,8 @@ class Engine:
                     import torch
                     e.ready_event = torch.cuda.Event()
                     e.ready_event.record()
+                self._submitted += 1
+                e.seq = self._submitted
                 self._inflight[key] = e
                 if not direct:
                     self._queue.append(e)
@@ -304,7 +311,9 @@ class Engine:
             self._reserved.difference_update(keys)
 
     def _request_flush(self) -> None:
-        """A caller waits on a handle: nothing of it may stay held back for a bucket."""
+        """A caller waits on a handle: nothing of it may stay held back for a bucket, and the
+        next submission starts a new bucket pass."""
+        self._wait_marks.append(self._submitted)
         if self._held or self._queue:
             self._flush = True
             self._wake()
@@ -450,7 +459,12 @@ class Engine:
                     or not req.cacheable:
                 go.append(e)
                 continue
-            new_pass, bucket = self.buckets.observe(sid, req.name, req.nbytes(), now)
+            marks, boundary = self._wait_marks, False
+            while marks and marks[0] < e.seq:     # a caller waited before e was submitted...
+                boundary = boundary or marks[0] >= self._observed_seq   # ...and after the last
+                marks.popleft()
+            self._observed_seq = e.seq
+            new_pass, bucket = self.buckets.observe(sid, req.name, req.nbytes(), now, boundary)
             if new_pass:                  # a new step began: whatever the last one held goes
                 go[:0] = [h[0] for h in self._held if h[1] == sid]
                 self._held = [h for h in self._held if h[1] != sid]
