@@ -63,6 +63,15 @@ class GlooCommunicator:
         pending = self.pg.allreduce([work], opts)
         return _Widened(pending, work, tensor) if wide is not None else pending
 
+    def allreduce_tensors(self, inputs: list, outputs: list, op: int, prescale: float,
+                          postscale: float):
+        """A fused allreduce without the engine's fusion buffer, through shared memory; None
+        when that path cannot take these tensors (the engine then packs and calls allreduce)."""
+        if self.shm is None or not all(self.shm.handles(t, reduce=True) for t in inputs) or \
+                not all(o is None or self.shm.handles(o, reduce=True) for o in outputs):
+            return None
+        return self.shm.allreduce_tensors(inputs, outputs, op, prescale, postscale)
+
     def reducescatter(self, output: torch.Tensor, tensor: torch.Tensor, op: int):
         if (self.shm is not None and self.shm.handles(output, reduce=True)
                 and self.shm.handles(tensor, reduce=True)):

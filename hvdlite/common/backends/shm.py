@@ -6,15 +6,21 @@ memory: MPICH does so and reduces 16 MiB in ~2 ms. torch DDP over gloo pays the 
 hvdlite need not. gloo keeps everything this path does not cover (alltoall, ranks on several
 hosts, dtypes torch cannot reduce elementwise).
 
-How. Each rank maps one file of /dev/shm of its own (a header with a progress counter, then a
-slot of `slot_bytes`) and every peer's file. A collective runs in chunks of at most one slot:
+How. The ranks map one file of /dev/shm: a header page (one progress counter per rank, each on
+its own cache line), one input slot of `slot_bytes` per rank, and one result area of the same
+size. A collective runs in chunks of at most one slot:
 
-  1. wait until every peer has finished reading the previous chunk out of my slot;
+  1. wait until every peer has finished the previous chunk (it no longer reads my slot or the
+     result area);
   2. copy my part of the chunk into my slot; publish; wait for every peer;
-  3. (reductions) reduce my 1/N of the chunk, reading that range of every slot, into my slot;
-     publish; wait for every peer;
-  4. copy the results out of the slots; publish (nobody waits here: step 1 of the next chunk
-     does, usually long after).
+  3. (reductions) reduce my 1/N of the chunk, reading that range of every slot, into the
+     result area; publish; wait for every peer;
+  4. copy the results out (of the result area, or of the peers' slots); publish (nobody waits
+     here: step 1 of the next chunk does, usually long after).
+
+A fused allreduce copies its tensors straight into the slot and its results straight out of the
+result area (with Average's or a postscale's factor applied while copying), so the engine's
+fusion buffer and its two extra passes over memory are not used.
 
 "Publish" raises my counter (every rank runs the same phases in the same order, so the counters
 agree) and writes one byte into every peer's FIFO. A waiter re-reads the counters and sleeps in
@@ -23,12 +29,13 @@ on 2 cores stay fast), and no wake-up is lost (a byte written before the select 
 at once). Every element is reduced by exactly one rank and copied by the others, so all ranks
 get identical bits.
 
-Set-up is collective, beside the gloo process group's: each rank creates and maps its file,
-posts its path and a random token in the job's store, maps every peer's file and checks the
-token. One gloo allreduce then tells every rank whether all of them succeeded; if any did not
+Set-up is collective, beside the gloo process group's: rank 0 creates and maps the file and
+posts its path, size and a random token in the job's store; every other rank maps it and checks
+the token; each rank creates a FIFO and opens every peer's. One gloo allreduce then tells every rank whether all of them succeeded; if any did not
 (ranks on several hosts, containers with separate /dev/shm, /dev/shm full, HVDLITE_SHM=0), the
 whole communicator keeps gloo. Space is reserved with posix_fallocate, so a full /dev/shm is a
-refusal at set-up, never a SIGBUS later. Files are unlinked as soon as every rank has mapped
+refusal at set-up, never a SIGBUS later, and the slot shrinks to fit a small /dev/shm (a
+container's default is 64 MiB). Files are unlinked as soon as every rank has mapped
 them, so a crash leaves nothing behind. Waits are bounded by the transport timeout and check
 once a second that the peers' processes are alive, so a dead or stuck peer becomes an error
 naming its rank and pid instead of a hang.
@@ -38,6 +45,7 @@ cores see them, so `auto` enables this path there only (HVDLITE_SHM=1 forces it 
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import mmap
 import os
@@ -58,7 +66,9 @@ from ..messages import MAX, MIN, PRODUCT, SUM
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-HEADER = 4096                       # counter, pid, token; keeps the slot page-aligned
+def header_bytes(size: int) -> int:
+    """Token, then one counter per rank on its own cache line; pages, so slots stay aligned."""
+    return (64 * (size + 1) + 4095) // 4096 * 4096
 _FNS: dict[int, Callable] = {SUM: torch.add, MIN: torch.minimum, MAX: torch.maximum,
                              PRODUCT: torch.mul}
 _REDUCIBLE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
@@ -120,17 +130,18 @@ class ShmChannel:
     its own threads, so collectives of different process sets never wait on each other.
     """
 
-    def __init__(self, rank: int, size: int, timeout_s: float, slot: int, fd: int,
-                 mine: mmap.mmap, peers: dict[int, mmap.mmap], pids: dict[int, int],
-                 fifo_r: int, fifo_w: dict[int, int], own_w: int):
+    def __init__(self, rank: int, size: int, timeout_s: float, slot: int, seg: mmap.mmap,
+                 pids: dict[int, int], fifo_r: int, fifo_w: dict[int, int], own_w: int):
         self.rank, self.size, self.timeout_s, self.slot = rank, size, timeout_s, slot
-        self._fd = fd
-        self._maps = dict(peers)
-        self._maps[rank] = mine
+        self._seg = seg
         self._pids = pids
-        self._ctr = {r: np.ndarray((1,), dtype=np.int64, buffer=m) for r, m in self._maps.items()}
-        self._slots = {r: torch.frombuffer(m, dtype=torch.uint8, count=slot, offset=HEADER)
-                       for r, m in self._maps.items()}
+        # Counters: int64 at byte 64 * (rank + 1) (byte 0 holds the token).
+        self._ctr_all = np.ndarray((8 * (size + 1),), dtype=np.int64, buffer=seg)
+        self._ctr = {r: self._ctr_all[8 * (r + 1):8 * (r + 1) + 1] for r in range(size)}
+        self._slots = {r: torch.frombuffer(seg, dtype=torch.uint8, count=slot,
+                                           offset=header_bytes(size) + r * slot) for r in range(size)}
+        self._result = torch.frombuffer(seg, dtype=torch.uint8, count=slot,
+                                        offset=header_bytes(size) + size * slot)
         self._fifo_r, self._fifo_w, self._own_w = fifo_r, fifo_w, own_w
         self._seq = 0
         self._end = 0                 # my counter after the last chunk's copy-out
@@ -147,7 +158,17 @@ class ShmChannel:
                 and (not reduce or tensor.dtype in _REDUCIBLE))
 
     def allreduce(self, tensor: torch.Tensor, op: int) -> _Work:
-        return self._submit(self._allreduce, tensor.view(-1), _FNS[op])
+        flat = tensor.view(-1)
+        return self._submit(self._allreduce, [flat], [flat], _FNS[op], 1.0, 1.0)
+
+    def allreduce_tensors(self, inputs: list, outputs: list, op: int, prescale: float,
+                          postscale: float) -> _Work:
+        """Allreduce `inputs` (all of one dtype) as one fused buffer into `outputs` (None:
+        dropped), times prescale before and postscale after, without a fusion buffer."""
+        return self._submit(self._allreduce,
+                            [t.reshape(-1) for t in inputs],
+                            [o.view(-1) if o is not None else None for o in outputs],
+                            _FNS[op], prescale, postscale)
 
     def reducescatter(self, output: torch.Tensor, tensor: torch.Tensor, op: int) -> _Work:
         return self._submit(self._reducescatter, output.view(-1), tensor.view(-1), _FNS[op])
@@ -172,16 +193,11 @@ class ShmChannel:
         self._fifo_w = {}
         self._slots.clear()
         self._ctr.clear()
-        for m in self._maps.values():
-            try:
-                m.close()
-            except (BufferError, ValueError):
-                pass  # a tensor view still alive; the mapping goes with the process
-        self._maps.clear()
+        self._ctr_all = self._result = None
         try:
-            os.close(self._fd)
-        except OSError:
-            pass
+            self._seg.close()
+        except (BufferError, ValueError):
+            pass  # a tensor view still alive; the mapping goes with the process
 
     # ------------------------------------------------------------------ worker
     def _submit(self, fn, *args) -> _Work:
@@ -257,7 +273,7 @@ class ShmChannel:
                     f"timeout, HOROVOD_GLOO_TIMEOUT_SECONDS, if they are only slow)")
 
     def _begin_chunk(self, what: str) -> None:
-        self._wait(self._end, what)   # peers finished reading the previous chunk from my slot
+        self._wait(self._end, what)   # peers finished the previous chunk
 
     def _end_chunk(self) -> None:
         self._end = self._publish()
@@ -266,29 +282,41 @@ class ShmChannel:
         return self._slots[r][:nbytes].view(dtype)
 
     # ------------------------------------------------------------------ collectives
-    def _allreduce(self, flat: torch.Tensor, fn: Callable) -> None:
-        n, size, rank = flat.numel(), self.size, self.rank
+    def _allreduce(self, ins: list, outs: list, fn: Callable, pre: float, post: float) -> None:
+        """Fused allreduce of the flat tensors `ins` into `outs` (see allreduce_tensors)."""
+        counts = [t.numel() for t in ins]
+        n, size, rank = sum(counts), self.size, self.rank
         if n == 0:
             return
-        item = flat.element_size()
+        dtype = ins[0].dtype
+        item = ins[0].element_size()
         per = max(size, self.slot // item)          # elements per chunk
+        offsets = [0]
+        for c in counts:
+            offsets.append(offsets[-1] + c)
         for lo in range(0, n, per):
             m = min(per, n - lo)
-            chunk = flat[lo:lo + m]
             self._begin_chunk("allreduce")
-            self._view(rank, m * item, flat.dtype).copy_(chunk)
+            mine = self._view(rank, m * item, dtype)
+            if m == n:
+                torch.cat(ins, out=mine) if len(ins) > 1 else mine.copy_(ins[0])
+            else:
+                for i, a, b in _pieces(offsets, lo, lo + m):
+                    mine[a - lo:b - lo].copy_(ins[i][a - offsets[i]:b - offsets[i]])
+            _scale(mine, pre)
             self._wait(self._publish(), "allreduce (inputs)")
             a, b = rank * m // size, (rank + 1) * m // size
             if b > a:
-                out = self._view(rank, m * item, flat.dtype)[a:b]
-                for r in range(size):
-                    if r != rank:
-                        fn(out, self._view(r, m * item, flat.dtype)[a:b], out=out)
+                res = self._result[:m * item].view(dtype)[a:b]
+                fn(self._view(0, m * item, dtype)[a:b], self._view(1, m * item, dtype)[a:b],
+                   out=res)
+                for r in range(2, size):
+                    fn(res, self._view(r, m * item, dtype)[a:b], out=res)
             self._wait(self._publish(), "allreduce (reduction)")
-            for r in range(size):
-                a, b = r * m // size, (r + 1) * m // size
-                if b > a:
-                    chunk[a:b].copy_(self._view(r, m * item, flat.dtype)[a:b])
+            res = self._result[:m * item].view(dtype)
+            for i, a, b in _pieces(offsets, lo, lo + m):
+                if outs[i] is not None:
+                    _copy_scaled(outs[i][a - offsets[i]:b - offsets[i]], res[a - lo:b - lo], post)
             self._end_chunk()
 
     def _reducescatter(self, output: torch.Tensor, flat: torch.Tensor, fn: Callable) -> None:
@@ -342,6 +370,38 @@ class ShmChannel:
             self._end_chunk()
 
 
+def _pieces(offsets: list[int], lo: int, hi: int):
+    """(tensor index, start, end) of the parts of consecutive tensors (starting at `offsets`)
+    that fall in the flat range [lo, hi)."""
+    i = bisect.bisect_right(offsets, lo) - 1
+    while i < len(offsets) - 1 and offsets[i] < hi:
+        a, b = max(lo, offsets[i]), min(hi, offsets[i + 1])
+        if b > a:
+            yield i, a, b
+        i += 1
+
+
+def _scale(t: torch.Tensor, factor: float) -> None:
+    """In place, truncating for integers as Horovod does (collectives.scale_'s rule)."""
+    if factor == 1.0:
+        return
+    if t.is_floating_point():
+        t.mul_(factor)
+    else:
+        t.copy_((t.to(torch.float64) * factor).to(t.dtype))
+
+
+def _copy_scaled(dst: torch.Tensor, src: torch.Tensor, factor: float) -> None:
+    """dst = src * factor in one pass for floats; src (shared) is never written."""
+    if factor == 1.0:
+        dst.copy_(src)
+    elif dst.is_floating_point():
+        torch.mul(src, factor, out=dst)
+    else:
+        dst.copy_(src)
+        _scale(dst, factor)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -350,6 +410,21 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _fit_slot(wanted: int, size: int) -> int:
+    """The slot size that fits /dev/shm: at most a quarter of its free space for the whole
+    segment (so several communicators and other programs fit beside it)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    free = st.f_bavail * st.f_frsize
+    fit = (free // 4 - header_bytes(size)) // (size + 1) // 4096 * 4096
+    return min(wanted, fit)
+
+
+MIN_SLOT = 64 * 1024
 
 
 def connect(store, rank: int, size: int, timeout_s: float,
@@ -362,57 +437,68 @@ def connect(store, rank: int, size: int, timeout_s: float,
     this, even with the path turned off, so the agreement pairs up.
     """
     wanted = mode() == "on" and size > 1
-    slot = slot_bytes()
-    token = secrets.randbits(62)
     base = os.path.join(SHM_DIR, f"hvdlite-{os.getpid()}-{secrets.token_hex(6)}")
     seg_path, fifo_path = base + ".seg", base + ".fifo"
-    fd = fifo_r = -1
-    mine: Optional[mmap.mmap] = None
-    peers: dict[int, mmap.mmap] = {}
+    seg: Optional[mmap.mmap] = None
+    fifo_r = -1
     pids: dict[int, int] = {}
     fifo_w: dict[int, int] = {}
-    why = "HVDLITE_SHM=0" if not wanted else ""
+    why = "" if wanted else "HVDLITE_SHM=0"
+    slot = 0
     try:
-        if wanted:
+        if rank == 0:
+            entry = "-"
+            if wanted:
+                slot = _fit_slot(slot_bytes(), size)
+                if slot < min(slot_bytes(), MIN_SLOT):
+                    why = f"{SHM_DIR} is missing or nearly full"
+                else:
+                    try:
+                        fd = os.open(seg_path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                        try:
+                            os.posix_fallocate(fd, 0, header_bytes(size) + (size + 1) * slot)
+                            seg = mmap.mmap(fd, header_bytes(size) + (size + 1) * slot)
+                        finally:
+                            os.close(fd)
+                        token = secrets.randbits(62)
+                        np.ndarray((1,), dtype=np.int64, buffer=seg)[0] = token
+                        entry = f"{seg_path}|{slot}|{token}"
+                    except OSError as exc:
+                        why = f"rank 0 could not create {seg_path} ({exc})"
+            store.set("seg", entry)
+        entry = store.get("seg").decode()
+        if not why and entry == "-":
+            why = "rank 0 has no shared-memory segment"
+        if not why and wanted:
             try:
-                fd = os.open(seg_path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-                os.posix_fallocate(fd, 0, HEADER + slot)
-                mine = mmap.mmap(fd, HEADER + slot)
-                head = np.ndarray((4,), dtype=np.int64, buffer=mine)
-                head[:] = (0, os.getpid(), token, 0)
-                os.mkfifo(fifo_path, 0o600)
-                # Read end first (a writer's open fails until it exists); our own write end too,
-                # so the FIFO never reads EOF when peers close theirs.
-                fifo_r = os.open(fifo_path, os.O_RDONLY | os.O_NONBLOCK)
-                fifo_w[rank] = os.open(fifo_path, os.O_WRONLY | os.O_NONBLOCK)
-                store.set(f"seg/{rank}", f"{seg_path}|{fifo_path}|{token}|{os.getpid()}")
-            except OSError as exc:
-                why = f"rank {rank} could not create {seg_path} ({exc})"
-                store.set(f"seg/{rank}", "-")
-        else:
-            store.set(f"seg/{rank}", "-")
+                if rank != 0:
+                    path, slot_s, token_s = entry.split("|")
+                    slot = int(slot_s)
+                    fd = os.open(path, os.O_RDWR)
+                    try:
+                        seg = mmap.mmap(fd, header_bytes(size) + (size + 1) * slot)
+                    finally:
+                        os.close(fd)
+                    if int(np.ndarray((1,), dtype=np.int64, buffer=seg)[0]) != int(token_s):
+                        why = "the segment holds another token: another host?"
+                if not why:
+                    os.mkfifo(fifo_path, 0o600)
+                    # Read end first (a writer's open fails until it exists); our own write end
+                    # too, so the FIFO never reads EOF when peers close theirs.
+                    fifo_r = os.open(fifo_path, os.O_RDONLY | os.O_NONBLOCK)
+                    fifo_w[rank] = os.open(fifo_path, os.O_WRONLY | os.O_NONBLOCK)
+            except (OSError, ValueError) as exc:
+                why = f"rank {rank} cannot map rank 0's segment ({exc}): another host?"
+        store.set(f"fifo/{rank}", "-" if why else f"{fifo_path}|{os.getpid()}")
         if not why:
             for r in range(size):
                 if r == rank:
                     continue
-                entry = store.get(f"seg/{r}").decode()
-                if entry == "-":
-                    why = f"rank {r} has no shared-memory segment"
+                peer = store.get(f"fifo/{r}").decode()
+                if peer == "-":
+                    why = f"rank {r} cannot share memory"
                     break
-                p_seg, p_fifo, p_token, p_pid = entry.split("|")
-                try:
-                    pfd = os.open(p_seg, os.O_RDWR)
-                    try:
-                        m = mmap.mmap(pfd, HEADER + slot)
-                    finally:
-                        os.close(pfd)
-                except (OSError, ValueError) as exc:
-                    why = f"rank {r}'s segment is not visible here ({exc}): another host?"
-                    break
-                peers[r] = m
-                if int(np.ndarray((4,), dtype=np.int64, buffer=m)[2]) != int(p_token):
-                    why = f"rank {r}'s segment holds another token: another host?"
-                    break
+                p_fifo, p_pid = peer.split("|")
                 pids[r] = int(p_pid)
                 try:
                     fifo_w[r] = os.open(p_fifo, os.O_WRONLY | os.O_NONBLOCK)
@@ -428,21 +514,16 @@ def connect(store, rank: int, size: int, timeout_s: float,
                 pass
     if ok and not why:
         own_w = fifo_w.pop(rank)             # held open, never written: no EOF on our FIFO
-        return ShmChannel(rank, size, timeout_s, slot, fd, mine, peers, pids, fifo_r, fifo_w,
-                          own_w)
-    if why and wanted:
+        return ShmChannel(rank, size, timeout_s, slot, seg, pids, fifo_r, fifo_w, own_w)
+    if wanted:
         log.info("shared-memory data path off for this communicator (%s); gloo carries it",
-                 why)
-    elif wanted:
-        log.info("shared-memory data path off for this communicator: another rank could not "
-                 "share memory with all the others; gloo carries it")
-    head = None
-    for m in [*peers.values(), *([mine] if mine is not None else [])]:
+                 why or "another rank could not share memory with all the others")
+    if seg is not None:
         try:
-            m.close()
+            seg.close()
         except (BufferError, ValueError):
             pass
-    for f in [fifo_r, fd, *fifo_w.values()]:
+    for f in [fifo_r, *fifo_w.values()]:
         if f >= 0:
             try:
                 os.close(f)
