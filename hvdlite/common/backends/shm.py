@@ -185,6 +185,12 @@ class ShmChannel:
         if thread is not None:
             self._queue.put(None)
             thread.join(timeout=5.0)
+            if thread.is_alive():
+                # Still inside a wait (a peer died mid-collective): closing its FIFO could hand
+                # the descriptor number to a new file that the worker would then read from.
+                # Leave the descriptors and the mapping to the process; it raises on its own.
+                log.debug("shared-memory worker still waiting at close; descriptors kept")
+                return
         for fd in [self._fifo_r, self._own_w, *self._fifo_w.values()]:
             try:
                 os.close(fd)
@@ -259,7 +265,7 @@ class ShmChannel:
             now = time.monotonic()
             if lagging and now >= liveness:
                 liveness = now + _LIVENESS_S
-                dead = [r for r in lagging if not _alive(self._pids[r])]
+                dead = [r for r in lagging if self._pids[r] and not _alive(self._pids[r])]
                 if dead:
                     raise ShmError(
                         f"shared-memory {what}: rank(s) {dead} (pid "
@@ -412,6 +418,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _pid_ns() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "unknown"
+
+
 def _fit_slot(wanted: int, size: int) -> int:
     """The slot size that fits /dev/shm: at most a quarter of its free space for the whole
     segment (so several communicators and other programs fit beside it)."""
@@ -489,7 +502,7 @@ def connect(store, rank: int, size: int, timeout_s: float,
                     fifo_w[rank] = os.open(fifo_path, os.O_WRONLY | os.O_NONBLOCK)
             except (OSError, ValueError) as exc:
                 why = f"rank {rank} cannot map rank 0's segment ({exc}): another host?"
-        store.set(f"fifo/{rank}", "-" if why else f"{fifo_path}|{os.getpid()}")
+        store.set(f"fifo/{rank}", "-" if why else f"{fifo_path}|{os.getpid()}|{_pid_ns()}")
         if not why:
             for r in range(size):
                 if r == rank:
@@ -498,8 +511,10 @@ def connect(store, rank: int, size: int, timeout_s: float,
                 if peer == "-":
                     why = f"rank {r} cannot share memory"
                     break
-                p_fifo, p_pid = peer.split("|")
-                pids[r] = int(p_pid)
+                p_fifo, p_pid, p_ns = peer.split("|", 2)
+                # A pid means something here only in the same pid namespace (containers may
+                # share /dev/shm but not pids); 0 = cannot check, the timeout still bounds it.
+                pids[r] = int(p_pid) if p_ns == _pid_ns() else 0
                 try:
                     fifo_w[r] = os.open(p_fifo, os.O_WRONLY | os.O_NONBLOCK)
                 except OSError as exc:
