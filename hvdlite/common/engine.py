@@ -154,6 +154,7 @@ class Entry:
     ready_event: Any = None       # CUDA input: event recorded on the caller's stream
     flight: Any = None            # this collective's flight-recorder record
     seq: int = 0                  # submission order on this rank (bucket passes)
+    planned: bool = False         # the bucket planner has seen it (buckets.py)
 
 
 class _PeerGreeting:
@@ -298,11 +299,22 @@ class Engine:
                 self._submitted += 1
                 e.seq = self._submitted
                 self._inflight[key] = e
-                if not direct:
-                    self._queue.append(e)
+            wake = not direct
+            if not direct and self.steady and self.buckets.enabled:
+                # Decide holding here, in the caller's thread: a gradient held for its bucket
+                # needs nothing from the background thread, and waking it once per gradient
+                # took the core from backpropagation (on a rank with one core, each wake-up cost
+                # the training thread ~100 us: 3 ms of a transformer's step).
+                go = self._hold_back(entries)
+                self._queue.extend(go)
+                # Wake only to send: while holding, the background thread looks at the holds'
+                # deadlines at least every BucketPlanner.MIN_HOLD_S on its own (_loop).
+                wake = bool(go) or self._flush
+            elif not direct:
+                self._queue.extend(entries)
         if direct:
             self._send_entries(entries, tags)
-        else:
+        elif wake:
             self._wake()
         return handle
 
@@ -371,8 +383,14 @@ class Engine:
                     timeout = left
             if self.steady:
                 timeout = min(timeout, self._steady_timeout())
-            if self._held:
-                timeout = max(0.0, min(timeout, min(h[3] for h in self._held) - time.monotonic()))
+            if self.steady and self.buckets.enabled:
+                # Callers hold entries without waking this thread (enqueue): look at least this
+                # often, so a hold's deadline (>= MIN_HOLD_S) is late by at most as much.
+                timeout = min(timeout, self.buckets.MIN_HOLD_S)
+            with self._lock:
+                if self._held:
+                    timeout = max(0.0, min(timeout,
+                                           min(h[3] for h in self._held) - time.monotonic()))
             eof = False
             for key, _ in self._sel.select(timeout):
                 if key.data == "wake":
@@ -444,21 +462,26 @@ class Engine:
             entries = list(self._queue)
             self._queue.clear()
         if entries and self.steady and self.buckets.enabled:
-            entries = self._hold_back(entries)
+            with self._lock:
+                entries = self._hold_back(entries)
         self._dispatch(entries)
 
     def _hold_back(self, entries: list) -> list:
         """Hold steady-state allreduces until their bucket is complete (buckets.py); returns
-        what goes now, in submission order, including held entries whose bucket just filled."""
+        what goes now, in submission order, including held entries whose bucket just filled.
+        Called with self._lock held, from enqueue (the caller's thread) or the background
+        thread; each entry is planned once."""
         now = time.monotonic()
         go = []
         for e in entries:
             req = e.request
             sid = req.process_set_id
-            if sid not in self.steady or req.type != ALLREDUCE or req.group is not None \
-                    or not req.cacheable:
+            if e.planned or sid not in self.steady or req.type != ALLREDUCE \
+                    or req.group is not None or not req.cacheable:
+                e.planned = True
                 go.append(e)
                 continue
+            e.planned = True
             marks, boundary = self._wait_marks, False
             while marks and marks[0] < e.seq:     # a caller waited before e was submitted...
                 boundary = boundary or marks[0] >= self._observed_seq   # ...and after the last
@@ -487,11 +510,13 @@ class Engine:
         """Send held entries that are due: on a waiter's request, past their deadline, or whose
         set is no longer steady (they go to the coordinator like any other request)."""
         now = time.monotonic()
-        flush, self._flush = self._flush, False
-        go = [h for h in self._held if flush or now >= h[3] or h[1] not in self.steady]
+        with self._lock:
+            flush, self._flush = self._flush, False
+            go = [h for h in self._held if flush or now >= h[3] or h[1] not in self.steady]
+            if go:
+                self._held = [h for h in self._held
+                              if not (flush or now >= h[3] or h[1] not in self.steady)]
         if go:
-            self._held = [h for h in self._held
-                          if not (flush or now >= h[3] or h[1] not in self.steady)]
             self._dispatch([h[0] for h in go])
 
     def _dispatch(self, entries: list) -> None:
