@@ -981,6 +981,25 @@ class Engine:
         except Exception as exc:
             self._op_failed(seq, resp, tl, exc)
             return
+        then = getattr(work, "then", None)
+        if then is not None:              # the transport finishes the collective itself
+            then(lambda: self._resume(seq, gen, work, resp, tl))
+            return
+        self._transport.put((seq, gen, work, resp, tl))
+
+    def _resume(self, seq: int, gen, work, resp: Response, tl) -> None:
+        """Finish a collective on the thread that completed its transport work (works with a
+        `then` hook: the shared-memory path). Anything more to wait for goes to the finisher,
+        so this thread never waits on work queued behind it."""
+        try:
+            work.wait()                   # complete: returns at once, or raises its error
+            work = gen.send(None)
+        except StopIteration:
+            self._done(seq, resp, tl)
+            return
+        except Exception as exc:
+            self._op_failed(seq, resp, tl, exc)
+            return
         self._transport.put((seq, gen, work, resp, tl))
 
     @staticmethod
