@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import hvdlite.torch as hvd
-from hvdlite.common import rendezvous
+from hvdlite.common import basics, rendezvous
 
 
 def parse_args():
@@ -140,8 +140,10 @@ def main():
             "speedup_max": max(y / x for x, y in zip(a, b))}
     many["speedup"] = many["raw_one_by_one_ms"] / many["hvdlite_ms"]
 
+    shm = basics.engine_counters()["shm_collectives"] > 0
     if hvd.rank() == 0:
-        print(f"allreduce, {size} ranks, {raw.name}, median of {args.rounds} rounds")
+        print(f"allreduce, {size} ranks, {raw.name}, median of {args.rounds} rounds"
+              + (" (hvdlite's data: shared memory, HVDLITE_SHM)" if shm else ""))
         print("(ratios: median over alternating rounds; spread = min-max of the per-round "
               "ratios; latency ratio = hvdlite time / raw time)")
         print(f"{'bytes':>10} {'hvdlite us':>11} {'raw us':>10} {'hvdlite GB/s':>13} "
@@ -155,7 +157,8 @@ def main():
               f"{many['hvdlite_ms']:.1f} ms, raw one by one {many['raw_one_by_one_ms']:.1f} ms, "
               f"speedup {many['speedup']:.2f}x (spread {many['speedup_min']:.2f}-"
               f"{many['speedup_max']:.2f})")
-        result = {"ranks": size, "transport": raw.name, "sizes": rows, "many_small": many}
+        result = {"ranks": size, "transport": raw.name, "shared_memory": shm, "sizes": rows,
+                  "many_small": many}
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)

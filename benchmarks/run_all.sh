@@ -21,6 +21,9 @@ done
 echo "== allreduce, 2 ranks, gloo"
 .venv/bin/hvdlite-run -np 2 "$PY" benchmarks/allreduce.py \
     --json "$OUT/allreduce_gloo.json" --plot "$OUT/allreduce_gloo.png"
+echo "== allreduce, 2 ranks, gloo with the shared-memory path off (gloo's own TCP data path)"
+HVDLITE_SHM=0 .venv/bin/hvdlite-run -np 2 "$PY" benchmarks/allreduce.py \
+    --json "$OUT/allreduce_gloo_tcp.json" --plot "$OUT/allreduce_gloo_tcp.png"
 if [ -x .venv/bin/mpiexec ]; then
   echo "== allreduce, 2 ranks, mpi"
   .venv/bin/mpiexec -n 2 "$PY" benchmarks/allreduce.py \

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hvdlite.torch as hvd  # noqa: E402
+from hvdlite.common import basics  # noqa: E402
 from bench_util import free_port, sgd_step  # noqa: E402
 from models import MODELS  # noqa: E402
 
@@ -92,6 +93,8 @@ def main():
         results[name]["ratio_min"], results[name]["ratio_max"] = min(per_round), max(per_round)
     if rank == 0:
         transport = "mpi" if hvd.mpi_enabled() else "gloo"
+        if transport == "gloo" and basics.engine_counters()["shm_collectives"]:
+            transport = "gloo (data through shared memory)"
         print(f"training step, {size} ranks, hvdlite over {transport}, DDP over gloo, "
               f"{args.threads} thread(s) each, {args.rounds} rounds x {args.steps} steps "
               f"(median ms/step; ratio spread = min-max of the per-round ratios)")
