@@ -1,0 +1,169 @@
+"""Markdown tables for the README from the JSON that `bash benchmarks/run_all.sh` writes.
+
+    python benchmarks/report.py [benchmarks/results]
+
+Why: the README's figures should come from one run, copied without retyping. Every table shows
+medians over alternating rounds with the min-max spread of the per-round ratios, as the
+benchmarks print them. A result file that is missing (MPI not installed, say) is skipped.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+MODELS = (("mlp", "MLP, 3.7 M params"), ("cnn", "CNN + BatchNorm, 1.1 M"),
+          ("transformer", "transformer, 2.1 M"))
+
+
+def _load(root: str, name: str):
+    path = os.path.join(root, name + ".json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def train_step(root: str) -> list[str]:
+    out = ["| model | ranks, transport | hvdlite ms | torch DDP (gloo) ms | no comm ms | "
+           "hvdlite/DDP (spread) | limit: no comm/DDP |", "|---|---|---|---|---|---|---|"]
+    for kind, label in (("gloo_np2", "2, gloo"), ("gloo_np4", "4 on 2 cores, gloo"),
+                        ("mpi_np2", "2, MPI"), ("mpi_np4", "4 on 2 cores, MPI")):
+        d = _load(root, f"train_step_{kind}")
+        if d is None:
+            continue
+        for key, name in MODELS:
+            r = d["results"][key]
+            out.append(f"| {name} | {label} | {r['hvdlite_median_ms']:.2f} | "
+                       f"{r['ddp_median_ms']:.2f} | {r['local_median_ms']:.2f} | "
+                       f"**{r['ratio']:.2f}** ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) | "
+                       f"{r['local_median_ms'] / r['ddp_median_ms']:.2f} |")
+    return out
+
+
+def allreduce(root: str) -> list[str]:
+    out = ["| hvdlite's data path (raw peer) | 4 KiB latency, hvdlite vs raw | 16 MiB busbw ratio "
+           "| 64 MiB busbw ratio | 100 tensors of 4–256 KiB, fused vs raw one by one |",
+           "|---|---|---|---|---|"]
+    for kind, label in (("gloo", "shared memory (raw gloo)"),
+                        ("gloo_tcp", "gloo's TCP, `HVDLITE_SHM=0` (raw gloo)"),
+                        ("mpi", "MPI (raw mpi4py)")):
+        d = _load(root, f"allreduce_{kind}")
+        if d is None:
+            continue
+        by = {r["bytes"]: r for r in d["sizes"]}
+        small, m16, m64 = by.get(4096), by.get(16 << 20), by.get(64 << 20)
+        many = d["many_small"]
+        cells = [f"{small['hvdlite_us']:.0f} µs vs {small['raw_us']:.0f} µs: "
+                 f"{small['hvdlite_us'] / small['raw_us']:.2f}×" if small else "—"]
+        for r in (m16, m64):
+            cells.append(f"{r['ratio_bw']:.2f} ({r['ratio_bw_min']:.2f}–{r['ratio_bw_max']:.2f})"
+                         if r else "—")
+        cells.append(f"{many['hvdlite_ms']:.1f} vs {many['raw_one_by_one_ms']:.1f} ms: "
+                     f"**{many['speedup']:.2f}×** ({many['speedup_min']:.2f}–"
+                     f"{many['speedup_max']:.2f})")
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return out
+
+
+def control_plane(root: str) -> list[str]:
+    d = _load(root, "control_plane")
+    if d is None:
+        return []
+    out = [f"(one step of {d['tensors']} cached tensors per cycle; one hop = "
+           f"{d['hop_us']:.1f} µs, measured)", "",
+           "| ranks | coordinator: frames at rank 0 | work µs | latency µs | steady: frames per "
+           "rank | work µs | latency µs |", "|---|---|---|---|---|---|---|"]
+    for row in d["rows"]:
+        c, s = row["coordinator"], row["steady"]
+        out.append(f"| {row['ranks']} | {c['frames']} | {c['work_us']['median']:.0f} "
+                   f"({c['work_us']['min']:.0f}–{c['work_us']['max']:.0f}) | "
+                   f"{c['latency_us']['median']:.0f} | {s['frames']} | "
+                   f"{s['work_us']['median']:.0f} ({s['work_us']['min']:.0f}–"
+                   f"{s['work_us']['max']:.0f}) | {s['latency_us']['median']:.0f} |")
+    first, last = d["rows"][0], d["rows"][-1]
+    grow_c = last["coordinator"]["work_us"]["median"] / first["coordinator"]["work_us"]["median"]
+    grow_s = last["steady"]["work_us"]["median"] / first["steady"]["work_us"]["median"]
+    out += ["", f"From {first['ranks']} to {last['ranks']} ranks the busiest rank's work per "
+            f"cycle grows ×{grow_c:.1f} on the coordinator and ×{grow_s:.1f} in the steady state."]
+    return out
+
+
+def zero(root: str) -> list[str]:
+    out = ["| transformer + Adam, max over ranks | ranks | state B/rank | × stage 0 | "
+           "params+grads+state B/rank | ms/step (spread) | × stage 0 |",
+           "|---|---|---|---|---|---|---|"]
+    for n in (2, 4):
+        d = _load(root, f"zero_np{n}")
+        if d is None:
+            continue
+        for name, r in d["results"].items():
+            ts = [t * 1e3 for t in r["times_s"]]
+            out.append(f"| {name} | {n} | {r['state_bytes_max']:,} | {r['state_ratio']:.3f} | "
+                       f"{r['training_state_bytes_max']:,} | {r['median_ms']:.1f} "
+                       f"({min(ts):.1f}–{max(ts):.1f}) | {r['time_ratio']:.2f} |")
+    return out
+
+
+def compression(root: str) -> list[str]:
+    d = _load(root, "compression_np2")
+    if d is None:
+        return []
+    base = d["results"]["hvdlite none"]["wire_bytes"]
+    out = ["| MLP 3.7 M params, 2 ranks | bytes sent/rank/step | × fewer | ms/step (spread) | "
+           "× none |", "|---|---|---|---|---|"]
+    for name, r in d["results"].items():
+        ts = [t * 1e3 for t in r["times_s"]]
+        out.append(f"| {name} | {int(r['wire_bytes']):,} | {base / r['wire_bytes']:.1f} | "
+                   f"{r['median_ms']:.2f} ({min(ts):.2f}–{max(ts):.2f}) | "
+                   f"{r['time_ratio']:.2f} |")
+    loss = d.get("loss", {})
+    if loss:
+        ref = loss.get("none")
+        out += ["", "Final loss after 200 full-batch steps: " + ", ".join(
+            f"{k} {v:.4f} ({(v / ref - 1) * 100:+.2f} %)" for k, v in loss.items())]
+    return out
+
+
+def keras(root: str) -> list[str]:
+    d = _load(root, "keras_fit")
+    if d is None:
+        return []
+    labels = {"keras_np2": "Keras `model.fit`, hvdlite, 2 ranks",
+              "tape_np2": "`DistributedGradientTape` in `tf.function`, 2 ranks",
+              "torch_np2": "torch frontend, same model shape, 2 ranks",
+              "keras_np1": "Keras `model.fit`, hvdlite, 1 rank",
+              "plain_1t": "one plain Keras process, 1 thread",
+              "plain_2t": "one plain Keras process, 2 threads",
+              "compute_np2": "2 ranks, no gradient exchange (the limit)"}
+    out = ["| configuration | fit's steps | whole `fit()` call |", "|---|---|---|"]
+    for key, label in labels.items():
+        v = d["samples_per_s"].get(key)
+        if not v:
+            continue
+        cell = f"{statistics.median(v):,.0f} ({min(v):,.0f}–{max(v):,.0f})"
+        w = d.get("fit_samples_per_s", {}).get(key)
+        wcell = f"{statistics.median(w):,.0f} ({min(w):,.0f}–{max(w):,.0f})" if w else ""
+        out.append(f"| {label} | {cell} | {wcell} |")
+    out.append("")
+    for name, r in d["ratios"].items():
+        out.append(f"* {name}: **{r['median']:.2f}** ({min(r['rounds']):.2f}–"
+                   f"{max(r['rounds']):.2f})")
+    return out
+
+
+def main() -> None:
+    root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(
+        os.path.abspath(__file__)), "results")
+    for title, fn in (("Training step", train_step), ("Allreduce, 2 ranks", allreduce),
+                      ("Control plane", control_plane), ("ZeRO", zero),
+                      ("Compression", compression), ("Keras", keras)):
+        lines = fn(root)
+        if lines:
+            print(f"### {title}\n")
+            print("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
