@@ -27,7 +27,7 @@ from hvdlite.common.backends import shm
 from hvdlite.common.messages import SUM
 
 CHECKS = ["allreduce", "fused", "reducescatter", "allgather", "broadcast", "process_set",
-          "training", "path_used"]
+          "training", "releases_buffers", "path_used"]
 SMALL_SLOT = {"HVDLITE_SHM_SLOT_MB": "0.004"}     # 4096 bytes
 
 

@@ -80,6 +80,13 @@ class Handle:
             self._pending -= 1
             finished = self._pending <= 0
         if finished and not self._event.is_set():
+            # Every entry has been through the transport: drop the inputs now. Entries and
+            # their handle reference each other, so without this the inputs lived until
+            # Python's cyclic garbage collector ran, and a TensorFlow gradient handed over by
+            # DLPack kept its memory from TensorFlow's allocator for that long (fresh pages
+            # and page faults on every step instead).
+            for e in self.entries:
+                e.tensor = None
             self._event.set()
             self._fire()
 
@@ -1036,6 +1043,7 @@ class Engine:
             if item is None:
                 return
             seq, gen, work, resp, tl = item
+            item = None
             try:
                 while True:
                     work.wait()
@@ -1044,6 +1052,9 @@ class Engine:
                 self._done(seq, resp, tl)
             except Exception as exc:
                 self._op_failed(seq, resp, tl, exc)
+            # Nothing of this collective may stay referenced while the next one is awaited: it
+            # would pin the caller's buffers (ShmChannel._run_one says what that costs).
+            gen = work = resp = tl = None
 
     def _done(self, seq: int, resp: Response, tl) -> None:
         if tl is not None:

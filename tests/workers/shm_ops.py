@@ -133,6 +133,39 @@ def training_matches_one_process():
         close(a.detach(), b.detach(), f"weights {n}", rtol=1e-5, atol=1e-6)
 
 
+def releases_buffers():
+    """A finished collective keeps no reference to its tensors. The worker used to keep the
+    last one's views until the next collective, which pinned a step's last gradients and
+    output buffers (the TensorFlow frontend's buffer reuse and TensorFlow's allocator then got
+    fresh memory every step). Storage use counts must return to what they were."""
+    import time
+    from hvdlite.common import ops as cops
+
+    def count(t):
+        return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+    for fused in (False, True):
+        ins = [torch.full((3000 + k,), float(rank + k)) for k in range(3 if fused else 1)]
+        outs = [torch.empty_like(t) for t in ins]
+        before = [count(t) for t in ins + outs]
+        names = [f"release.{int(fused)}.{k}" for k in range(len(ins))]
+        handle = cops.allreduce(ins, names=names, op=hvd.Sum, outputs=outs)
+        handle.wait()
+        del handle
+        want = [sum(r + k for r in range(size)) for k in range(len(ins))]
+        for k, o in enumerate(outs):
+            if not torch.equal(o, torch.full_like(o, float(want[k]))):
+                fail(f"{names[k]}: wrong result {o[:3].tolist()}, want {want[k]}")
+        deadline = time.monotonic() + 5.0       # the worker thread finishes just after us
+        while [count(t) for t in ins + outs] != before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        after = [count(t) for t in ins + outs]
+        if after != before:
+            fail(f"{'fused' if fused else 'single'} allreduce: storage use counts {after} "
+                 f"after the collective finished, {before} before: something still holds the "
+                 f"tensors")
+
+
 def path_used():
     ran = basics.engine_counters()["shm_collectives"]
     if args.expect == "on" and ran < 50:
@@ -153,6 +186,7 @@ check("allgather", allgather_uneven)
 check("broadcast", broadcast_from_each_root)
 check("process_set", process_set)
 check("training", training_matches_one_process)
+check("releases_buffers", releases_buffers)
 check("path_used", path_used)
 finish()
 hvd.shutdown()
