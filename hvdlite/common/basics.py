@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Optional
 
-from . import config, flight_recorder, hierarchical, logs, naming, rendezvous
+from . import config, flight_recorder, hierarchical, logs, naming, rendezvous, threads
 from .backends import mpi as mpi_backend
 from .backends import nccl as nccl_backend
 from .backends import select
@@ -102,6 +102,7 @@ def init(comm=None, process_sets=None) -> None:
             except rendezvous.RoundAborted as exc:
                 log.warning("elastic: %s; asking the driver for the next round", exc)
         _state = state
+        threads.fit_torch_threads(state.topology.get("local_size", 1))
         flight_recorder.install(state.rank, state.topology.get("hosts", {}).get(state.rank, ""),
                                 settings, state.size)
         flight_recorder.RECORDER.coordinator_view = (

@@ -13,6 +13,7 @@ import time
 import torch
 
 from .. import config
+from ..threads import usable_cores
 from ..messages import MAX, MIN, PRODUCT, SUM
 
 try:
@@ -30,13 +31,6 @@ def available() -> bool:
 
 def _ops():
     return {SUM: MPI.SUM, MIN: MPI.MIN, MAX: MPI.MAX, PRODUCT: MPI.PROD}
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _local_ranks(default: int) -> int:
@@ -64,7 +58,7 @@ def wait_mode(local_ranks: int | None = None) -> str:
         raise ValueError(f"HVDLITE_MPI_WAIT={choice!r}: use spin, yield or auto")
     if local_ranks is None:
         local_ranks = _local_ranks(MPI.COMM_WORLD.Get_size() if MPI is not None else 1)
-    return "yield" if local_ranks > _cores() else "spin"
+    return "yield" if local_ranks > usable_cores() else "spin"
 
 
 INLINE_POLL_S = 250e-6
