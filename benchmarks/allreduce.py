@@ -128,17 +128,29 @@ def main():
         for t in tensors:
             raw.allreduce(t)
 
+    # The most any fusion can reach: one raw allreduce of one buffer holding the same bytes,
+    # without even the copies into and out of it. Fused / one-by-one cannot exceed
+    # one-by-one / this.
+    one_buffer = torch.ones(sum(sizes))
+
+    def raw_one():
+        raw.allreduce(one_buffer)
+
     hv_many()
     raw_many()
-    a, b = [], []
+    raw_one()
+    a, b, c = [], [], []
     for _ in range(args.rounds):
         a.append(timed(hv_many, 3))
         b.append(timed(raw_many, 3))
+        c.append(timed(raw_one, 3))
     many = {"tensors": len(tensors), "bytes": total, "hvdlite_ms": statistics.median(a) * 1e3,
             "raw_one_by_one_ms": statistics.median(b) * 1e3,
+            "raw_one_buffer_ms": statistics.median(c) * 1e3,
             "speedup_min": min(y / x for x, y in zip(a, b)),
             "speedup_max": max(y / x for x, y in zip(a, b))}
     many["speedup"] = many["raw_one_by_one_ms"] / many["hvdlite_ms"]
+    many["limit"] = many["raw_one_by_one_ms"] / many["raw_one_buffer_ms"]
 
     shm = basics.engine_counters()["shm_collectives"] > 0
     if hvd.rank() == 0:
@@ -156,7 +168,8 @@ def main():
         print(f"{many['tensors']} tensors of 4-256 KiB ({total / 2**20:.1f} MiB): hvdlite fused "
               f"{many['hvdlite_ms']:.1f} ms, raw one by one {many['raw_one_by_one_ms']:.1f} ms, "
               f"speedup {many['speedup']:.2f}x (spread {many['speedup_min']:.2f}-"
-              f"{many['speedup_max']:.2f})")
+              f"{many['speedup_max']:.2f}); limit: raw one buffer of the same bytes "
+              f"{many['raw_one_buffer_ms']:.1f} ms, so no fusion beats {many['limit']:.2f}x")
         result = {"ranks": size, "transport": raw.name, "shared_memory": shm, "sizes": rows,
                   "many_small": many}
         if args.json:
