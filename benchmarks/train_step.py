@@ -42,6 +42,10 @@ def parse_args():
 
 
 def time_steps(step, n: int) -> float:
+    # Every contender starts with the ranks in step. The no-communication contender never
+    # synchronises, so the ranks drift apart during it; without this barrier the next
+    # contender's first step (hvdlite's, in A B C order) absorbed that drift.
+    dist.barrier()
     t0 = time.perf_counter()
     for _ in range(n):
         step()
