@@ -23,7 +23,8 @@ PER_MODE = [f"allreduce_{op}" for op in ("Average", "Sum", "Min", "Max", "Produc
     "broadcast_inplace", "alltoall", "reducescatter", "join_barrier", "gradients",
     "gradient_tape", "gradient_path", "tf1_optimizer", "sync_batch_norm", "mismatch_errors"]
 CHECKS = ["topology", "api"] + [f"{c}_{m}" for m in MODES for c in PER_MODE] + [
-    "tf1_graph", "uneven_join", "process_sets", "objects", "partial_tape", "local_errors"]
+    "tf1_graph", "uneven_join", "process_sets", "objects", "partial_tape", "size_one_tape",
+    "local_errors"]
 
 
 @pytest.fixture(scope="module")

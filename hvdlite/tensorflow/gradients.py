@@ -19,6 +19,7 @@ import torch
 from ..common import basics as _basics
 from ..common import naming as _naming
 from ..common import ops as _cops
+from ..common.config import env
 from . import mpi_ops as _ops
 from .compression import Compression
 from .mpi_ops import Adasum, Average, Max, Min, Product, Sum, global_process_set
@@ -144,6 +145,8 @@ class GradientReducer:
         out = list(grads)
         todo = [i for i, (g, v) in enumerate(zip(grads, variables))
                 if g is not None and not self.is_local(v)]
+        if todo and self._reduces_nothing():
+            todo = []
         if self.sparse_as_dense:
             for i in todo:
                 if isinstance(out[i], tf.IndexedSlices):
@@ -170,6 +173,17 @@ class GradientReducer:
                 else:
                     out[i] = g / tf.cast(size, g.dtype)
         return out
+
+    def _reduces_nothing(self) -> bool:
+        """Whether this rank's set has one member (or the rank is outside it) in a job that
+        cannot grow: then, as Horovod does, no reduction is built at all and the gradients pass
+        through untouched. An elastic job keeps its nodes, which skip at run time, so a traced
+        graph stays valid after a resize. Why: with the per-gradient nodes in its graph a
+        1-rank Keras fit ran 7-13 % below plain Keras."""
+        if env("ELASTIC") == "1":
+            return False
+        ranks = _ops._set_ranks(_ops._set_id(self.process_set))
+        return _basics.rank() not in ranks or len(ranks) == 1
 
     def _reduce_now(self, grads, dense, sparse, variables, base, cacheable) -> dict:
         """Reduce the gradients at `dense` and `sparse` (indices into `grads`).

@@ -445,6 +445,43 @@ def check_gradient_path(mode):
                 close(g, e, f"{what} {n}", rtol=tol, atol=tol)
 
 
+def check_size_one_tape():
+    """A tape over a one-member process set builds no hvdlite node at all in a graph (as
+    Horovod builds no allreduce at size 1 outside elastic jobs) and returns the local
+    gradients; the same tape over the global set does build its submit and collect nodes."""
+    sets = [hvd.add_process_set([0]), hvd.add_process_set([1])]
+    try:
+        w = tf.Variable(np.arange(6, dtype=np.float32).reshape(2, 3))
+        x = tf.constant(np.full((4, 2), RANK + 1.0, np.float32))
+
+        def traced(process_set):
+            @tf.function
+            def step(x):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(tf.matmul(x, w) ** 2)
+                tape = hvd.DistributedGradientTape(tape, process_set=process_set)
+                return tape.gradient(loss, [w])[0]
+            graph = step.get_concrete_function(x).graph
+            kinds = {op.type for op in graph.get_operations()}
+            return step(x), kinds
+
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.matmul(x, w) ** 2)
+        local = tape.gradient(loss, w)
+        for ps in sets:         # a member on one rank, outside the set on the other
+            g, kinds = traced(ps)
+            if "EagerPyFunc" in kinds:
+                fail(f"process set {ps.ranks}: the traced graph has hvdlite nodes "
+                     f"(EagerPyFunc) although the set has one member")
+            close(g, local.numpy(), f"process set {ps.ranks}: gradient", rtol=1e-6, atol=1e-6)
+        g, kinds = traced(hvd.global_process_set)
+        if "EagerPyFunc" not in kinds:
+            fail("global set of 2 ranks: no submit/collect nodes in the traced graph")
+    finally:
+        for ps in sets:
+            hvd.remove_process_set(ps)
+
+
 def check_gradient_tape(mode):
     w0, data = _toy_problem()
     w = tf.Variable(w0)
@@ -747,6 +784,7 @@ def main():
     check("process_sets", check_process_sets)
     check("objects", check_objects)
     check("partial_tape", check_partial_tape)
+    check("size_one_tape", check_size_one_tape)
     check("local_errors", check_local_errors)
     finish()
     hvd.shutdown()
