@@ -1043,7 +1043,6 @@ class Engine:
             if item is None:
                 return
             seq, gen, work, resp, tl = item
-            item = None
             try:
                 while True:
                     work.wait()
@@ -1053,8 +1052,8 @@ class Engine:
             except Exception as exc:
                 self._op_failed(seq, resp, tl, exc)
             # Nothing of this collective may stay referenced while the next one is awaited: it
-            # would pin the caller's buffers (ShmChannel._run_one says what that costs).
-            gen = work = resp = tl = None
+            # would pin the caller's buffers (ShmChannel._run says what that costs).
+            item = gen = work = resp = tl = None
 
     def _done(self, seq: int, resp: Response, tl) -> None:
         if tl is not None:

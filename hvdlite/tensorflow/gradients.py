@@ -50,6 +50,13 @@ def call_site() -> str:
     return _naming.framework_site()
 
 
+def nothing_to_reduce(set_id: int) -> bool:
+    """Whether this rank reduces nothing over the set: the set has one member, or the rank is
+    outside it. Horovod skips the reduction in both cases; the gradients pass through."""
+    ranks = _ops._set_ranks(set_id)
+    return _basics.rank() not in ranks or len(ranks) == 1
+
+
 def check_reduce_args(op, gradient_predivide_factor, num_groups, groups):
     """Horovod's argument checks, shared by every gradient wrapper; returns `groups`."""
     import warnings
@@ -180,10 +187,7 @@ class GradientReducer:
         through untouched. An elastic job keeps its nodes, which skip at run time, so a traced
         graph stays valid after a resize. Why: with the per-gradient nodes in its graph a
         1-rank Keras fit ran 7-13 % below plain Keras."""
-        if env("ELASTIC") == "1":
-            return False
-        ranks = _ops._set_ranks(_ops._set_id(self.process_set))
-        return _basics.rank() not in ranks or len(ranks) == 1
+        return env("ELASTIC") != "1" and nothing_to_reduce(_ops._set_id(self.process_set))
 
     def _reduce_now(self, grads, dense, sparse, variables, base, cacheable) -> dict:
         """Reduce the gradients at `dense` and `sparse` (indices into `grads`).
@@ -298,8 +302,7 @@ class GradientReducer:
                                                         cacheable))
 
         def fn(*ys):
-            ranks = _ops._set_ranks(set_id)
-            if _basics.rank() not in ranks or len(ranks) == 1:
+            if nothing_to_reduce(set_id):
                 return list(ys)
             from ..torch.stateful_compression import drive_all
             pend = [comp.reduce_async(_ops._to_torch(y), f"{base}.grad_{i}", op=op,
@@ -410,9 +413,7 @@ class _Plan:
         self.set_id = set_id
 
     def skipped(self) -> bool:
-        ranks = _ops._set_ranks(self.set_id)
-        # Horovod skips the reduction on one rank and outside the set too.
-        return _basics.rank() not in ranks or len(ranks) == 1
+        return nothing_to_reduce(self.set_id)
 
     def submit(self, unit, xs):
         """Hand one unit to the engine: (handle, inputs), or (None, inputs) when skipped."""

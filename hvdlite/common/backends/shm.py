@@ -240,33 +240,25 @@ class ShmChannel:
             if item is None:
                 return
             work, fn, args = item
-            # Drop the queue's reference now: what stays bound while this thread waits for the
-            # next collective pins the caller's tensors (see _run_one).
-            item = None
-            self._run_one(work, fn, args)
-            work = fn = args = None
-
-    def _run_one(self, work: _Work, fn: Callable, args: tuple) -> None:
-        """Run one collective. Why a function of its own: its arguments (views of the caller's
-        inputs and outputs) must not outlive it. Left bound in the loop while the worker waits
-        for the next call, the last collective of a step kept its buffers referenced until the
-        next step: the TensorFlow frontend then could not reuse its output buffers (it checks
-        their reference count) and TensorFlow could not reuse its gradients' memory, so every
-        step faulted in fresh pages (~750 page faults and ~8 ms of system time per step on the
-        Keras benchmark's MLP)."""
-        if self._broken is not None:
-            work._finish(self._broken)
-            return
-        try:
-            fn(*args)
-            self.ops += 1
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-            # Counters are out of step once a phase failed: every later call fails alike.
-            self._broken = exc
-            work._finish(exc)
-            return
-        args = None
-        work._finish()
+            if self._broken is not None:
+                work._finish(self._broken)
+            else:
+                try:
+                    fn(*args)
+                    self.ops += 1
+                    work._finish()
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                    # Counters are out of step once a phase failed: every later call fails
+                    # alike.
+                    self._broken = exc
+                    work._finish(exc)
+            # Unbind before waiting for the next collective: the arguments are views of the
+            # caller's inputs and outputs. Left bound, the last collective of a step kept its
+            # buffers referenced until the next step: the TensorFlow frontend could not reuse
+            # its output buffers (it checks their reference count) and TensorFlow could not
+            # reuse its gradients' memory, so every step faulted in fresh pages (~750 page
+            # faults and ~8 ms of system time per step on the Keras benchmark's MLP).
+            item = work = fn = args = None
 
     # ------------------------------------------------------------------ phases
     def _publish(self) -> int:
