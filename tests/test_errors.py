@@ -58,6 +58,29 @@ def test_op_before_init_is_a_clear_error():
     assert "Horovod has not been initialized; use hvd.init()." in out
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("transport", ["gloo", "mpi"])
+@pytest.mark.parametrize("wait_s", ["0", "0.5"])
+def test_steady_hit_after_a_member_shut_down_raises(transport, wait_s):
+    """A cached tensor submitted after (or while) another member shuts down in the steady state
+    raises the shutdown error at once: it used to wait forever once the hit reached the
+    coordinator after the member had gone."""
+    from util import hvdlite_run, rank_lines
+    launcher = []
+    if transport == "mpi":
+        from test_mpi import HAVE_MPI
+        if not HAVE_MPI:
+            pytest.skip("mpi4py/mpiexec not installed (pip install mpi4py mpich)")
+        launcher = ["--mpi"]
+    proc = hvdlite_run("steady_gone.py", np=2, args=[wait_s], timeout=120,
+                       launcher_args=launcher)
+    line = [x for x in rank_lines(proc.stdout, 0) if x.startswith("RAISED")]
+    assert line, proc.stdout + proc.stderr
+    assert "rank(s) [1] already called hvd.shutdown()" in line[0], line[0]
+    assert "'steady.g0'" in line[0], line[0]
+    assert float(line[0].split()[1]) < 5, line[0]
+
+
 @pytest.mark.timeout(120)
 def test_stall_in_the_steady_state_names_the_rank():
     """Cached tensors are released without the coordinator; a rank that stops submitting is

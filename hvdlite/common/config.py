@@ -278,6 +278,9 @@ class Settings:
     # The decentralised steady state (steady.py); HVDLITE_STEADY_STATE=0 keeps every cycle on
     # the coordinator.
     steady_state: bool = True
+    # Where the steady state's rounds run: "auto" on the transport when it can (MPI: one small
+    # allreduce), else over the control connections; "peers" always over the connections.
+    steady_rounds: str = "auto"
     # Gradient buckets in the steady state (buckets.py), torch DDP's defaults; 0 turns them off.
     bucket_cap_bytes: int = 25 * 1024 * 1024
     first_bucket_bytes: int = 1024 * 1024
@@ -315,6 +318,11 @@ class Settings:
         s.cycle_time_ms = env_float("CYCLE_TIME", s.cycle_time_ms)
         s.cache_capacity = env_int("CACHE_CAPACITY", s.cache_capacity)
         s.steady_state = env_bool("STEADY_STATE", True)
+        s.steady_rounds = (env("STEADY_ROUNDS") or "auto").strip().lower()
+        if s.steady_rounds not in ("auto", "peers"):
+            raise ValueError(f"HVDLITE_STEADY_ROUNDS={s.steady_rounds!r}: use auto (rounds on the "
+                             f"transport where it can: MPI) or peers (over the control "
+                             f"connections)")
         s.bucket_cap_bytes = int(env_float("BUCKET_CAP_MB", 25.0) * 1024 * 1024)
         s.first_bucket_bytes = int(env_float("FIRST_BUCKET_MB", 1.0) * 1024 * 1024)
         s.stall_check_disable = env_bool("STALL_CHECK_DISABLE", False)

@@ -583,6 +583,20 @@ class Coordinator:
         if s is None or rank not in s.index:
             return
         idx = s.index[rank]
+        if s.gone:
+            # As for full requests (_on_request): a member already shut down, so these can never
+            # be released. Without this, a cache hit sent after the shutdown waited forever.
+            names, bits = [], mask
+            while bits:
+                low = bits & -bits
+                bits ^= low
+                entry = s.cache.lookup_bit(low.bit_length() - 1)
+                if entry is not None:
+                    names.append(entry.template.names[0])
+            gone = sorted(s.ranks[i] for i in s.gone)
+            self._send_error(rank, s.id, names,
+                             self._gone_message(gone, ", ".join(repr(n) for n in names[:6])), out)
+            return
         stale = mask & ~s.cache.valid_mask
         if stale:
             # The rank used a bit the coordinator has since retired: treat it as a full request,
@@ -758,8 +772,11 @@ class Coordinator:
             s.steady = True
             s.unsteady.clear()
             s.waiting.clear()
+            # The rounds' width: every bit the set's tensors can carry until its next fallback
+            # (new bits need the coordinator). 0 keeps rounds on the control connections.
+            width = s.cache.next_bit if self.settings.steady_rounds == "auto" else 0
             for g in s.ranks:
-                out.setdefault(g, []).append((Item.STEADY, s.id, s.epoch))
+                out.setdefault(g, []).append((Item.STEADY, s.id, s.epoch, width))
 
     def _release_ready(self, ready: list, out: dict) -> None:
         if not ready:

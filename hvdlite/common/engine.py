@@ -37,7 +37,8 @@ from .messages import (ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER,
 from .protocol import Item, Msg
 from .response_cache import RankCache
 from .buckets import BucketPlanner
-from .steady import STEADY_MSG, SteadySet, build_responses, gone_message
+from .steady import (STEADY_MSG, RoundWaiter, SteadySet, TransportRound, build_responses,
+                     gone_message)
 from .wire import Channel, ProtocolError, peer_name
 
 log = logging.getLogger(__name__)
@@ -231,6 +232,12 @@ class Engine:
             peer_listener.setblocking(False)
             self._sel.register(peer_listener, selectors.EVENT_READ, "listen")
         self._releasing = False
+        # Whoever holds the drive lock runs the engine's state machine: the background thread
+        # for what it hears, a caller driving its own collective (enqueue, _drive_inline) or the
+        # round waiter finishing a transport round. Taken before self._lock, never while holding
+        # it (callers only try it without blocking).
+        self._drive = threading.Lock()
+        self._waiter: RoundWaiter | None = None
         # Gradient buckets (buckets.py): steady-state allreduces held back until their bucket
         # is complete, as (entry, set, bucket, deadline); a waiter sets _flush.
         self.buckets = BucketPlanner(settings.bucket_cap_bytes, settings.first_bucket_bytes) \
@@ -244,7 +251,8 @@ class Engine:
         self.counters = {"coordinator_messages": 0, "coordinator_tensors": 0,
                          "steady_entered": 0, "steady_rounds": 0, "steady_released": 0,
                          "steady_groups": 0,
-                         "steady_fallbacks": 0, "bounced": 0, "peer_messages": 0}
+                         "steady_fallbacks": 0, "bounced": 0, "peer_messages": 0,
+                         "transport_rounds": 0, "inline_driven": 0}
         self.thread = threading.Thread(target=self._run, name="hvdlite-background", daemon=True)
         self.finisher = threading.Thread(target=self._finish_loop, name="hvdlite-finisher",
                                          daemon=True)
@@ -307,23 +315,76 @@ class Engine:
                 e.seq = self._submitted
                 self._inflight[key] = e
             wake = not direct
+            inline = None
             if not direct and self.steady and self.buckets.enabled:
                 # Decide holding here, in the caller's thread: a gradient held for its bucket
                 # needs nothing from the background thread, and waking it once per gradient
                 # took the core from backpropagation (on a rank with one core, each wake-up cost
                 # the training thread ~100 us: 3 ms of a transformer's step).
                 go = self._hold_back(entries)
-                self._queue.extend(go)
+                inline = self._inline_set(go)
+                if inline is None:
+                    self._queue.extend(go)
                 # Wake only to send: while holding, the background thread looks at the holds'
                 # deadlines at least every BucketPlanner.MIN_HOLD_S on its own (_loop).
                 wake = bool(go) or self._flush
             elif not direct:
-                self._queue.extend(entries)
+                inline = self._inline_set(entries) if self.steady else None
+                if inline is None:
+                    self._queue.extend(entries)
         if direct:
             self._send_entries(entries, tags)
+        elif inline is not None:
+            self._drive_inline(inline, entries[0])
         elif wake:
             self._wake()
         return handle
+
+    def _inline_set(self, go: list) -> SteadySet | None:
+        """The steady set whose round this caller may start itself for `go`, or None.
+
+        Why: handing a collective to the background thread, and its result back, costs a thread
+        wake-up each way (~60 and ~35 us on 2 cores), more than a whole small MPI allreduce.
+        When this caller's one tensor is all this rank has in flight and its set runs rounds on
+        the transport (MPI), the caller starts the round on its own thread (_drive_inline).
+        Where waits may spin (every rank has a core) it also polls the round for a short window
+        and, if every rank is there, runs the collective too, so nothing crosses a thread.
+        (Starting a round over the control connections from here gained nothing measurable on
+        gloo: the peers' answer still arrives on the background thread.) Called with self._lock
+        held."""
+        if len(go) != 1 or self._queue or self._held or self._in_transport or self._flush \
+                or len(self._inflight) != 1 or self._releasing or self._stopping:
+            return None
+        st = self.steady.get(go[0].request.process_set_id)
+        if st is None or st.agreement is None or st.round is not None or st.pending \
+                or st.held or st.fallback:
+            return None
+        return st
+
+    def _drive_inline(self, st: SteadySet, e: Entry) -> None:
+        """Run `e`'s round (and, when it completes in time, its collective) on this thread.
+
+        The background thread may have changed the state since enqueue looked, or may hold the
+        drive lock right now: then `e` goes the usual way, through the queue."""
+        if self._drive.acquire(blocking=False):
+            try:
+                with self._lock:
+                    ok = (self._closed is None and self.steady.get(st.set_id) is st
+                          and st.round is None and not st.pending and not st.held
+                          and not self._queue and not self._releasing)
+                if ok:
+                    self.counters["inline_driven"] += 1
+                    e.planned = True
+                    self._steady_add(st, e)
+                    comm = self.comms.get((st.set_id, "cpu"))
+                    self._steady_kick(st, getattr(comm, "inline_poll_s", 0.0))
+                    return
+            finally:
+                self._drive.release()
+        with self._lock:
+            if self._closed is None:
+                self._queue.append(e)
+        self._wake()
 
     def _unreserve(self, keys: list) -> None:
         with self._lock:
@@ -361,6 +422,8 @@ class Engine:
             log.exception("hvdlite background thread failed")
             self._close(f"hvdlite background thread failed on rank {self.rank}: {exc!r}")
         finally:
+            if self._waiter is not None:
+                self._waiter.stop()
             self._transport.put(None)
             # Closing the channel tells the coordinator this rank is gone (a crash, unless SHUTDOWN
             # was sent first).
@@ -375,75 +438,89 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            if self._stopping:
-                self._finish_shutdown()
-                return
-            timeout = 0.5
-            if self._queue:
-                left = self.cycle_s - (time.monotonic() - self._last_send)
-                # The cycle time batches tensors that arrive while earlier ones are still being
-                # negotiated or reduced; with nothing outstanding, waiting only adds latency.
-                if left <= 0 or (len(self._inflight) == len(self._queue)
-                                 and not self._in_transport):
-                    self._send_queued()
-                else:
-                    timeout = left
-            if self.steady:
-                timeout = min(timeout, self._steady_timeout())
-            if self.steady and self.buckets.enabled:
-                # Callers hold entries without waking this thread (enqueue): look at least this
-                # often, so a hold's deadline (>= MIN_HOLD_S) is late by at most as much.
-                timeout = min(timeout, self.buckets.MIN_HOLD_S)
-            with self._lock:
-                if self._held:
-                    timeout = max(0.0, min(timeout,
-                                           min(h[3] for h in self._held) - time.monotonic()))
-            eof = False
-            for key, _ in self._sel.select(timeout):
-                if key.data == "wake":
-                    try:
-                        self._wake_r.recv(65536)
-                    except BlockingIOError:
-                        pass
-                elif key.data == "listen":
-                    self._accept_peer()
-                elif key.data != "hub":
-                    self._on_peer_readable(key.data)
-                    if self._closed is not None:
-                        return
-                else:
-                    try:
-                        eof = not self.channel.feed()
-                        self._last_heard = time.monotonic()
-                    except OSError:
-                        eof = True
-            if self._silence_limit_s and not eof and \
-                    time.monotonic() - self._last_heard > self._silence_limit_s:
-                silent = time.monotonic() - self._last_heard
-                rendezvous.report_hung([0])
-                self._close(f"rank 0 (the coordinator) has sent nothing for {silent:.0f} s, "
-                            f"more than the stall shutdown time + 10 s: it is hung (stopped) "
-                            f"or its host is unreachable. {SHUT_DOWN_MESSAGE}")
-                return
-            try:
-                msgs = self.channel.messages()
-            except ProtocolError as exc:
-                self._close(f"rank {self.rank}: {exc}")
-                return
-            for msg in msgs:
-                if not self._on_message(msg):
+            with self._drive:
+                if self._stopping:
+                    self._finish_shutdown()
                     return
+                timeout = self._next_timeout()
+            events = self._sel.select(timeout)
+            with self._drive:
+                if not self._step(events):
+                    return
+
+    def _next_timeout(self) -> float:
+        """How long the background thread may sleep in select(); sends what is due first."""
+        timeout = 0.5
+        if self._queue:
+            left = self.cycle_s - (time.monotonic() - self._last_send)
+            # The cycle time batches tensors that arrive while earlier ones are still being
+            # negotiated or reduced; with nothing outstanding, waiting only adds latency.
+            if left <= 0 or (len(self._inflight) == len(self._queue)
+                             and not self._in_transport):
+                self._send_queued()
+            else:
+                timeout = left
+        if self.steady:
+            timeout = min(timeout, self._steady_timeout())
+        if self.steady and self.buckets.enabled:
+            # Callers hold entries without waking this thread (enqueue): look at least this
+            # often, so a hold's deadline (>= MIN_HOLD_S) is late by at most as much.
+            timeout = min(timeout, self.buckets.MIN_HOLD_S)
+        with self._lock:
             if self._held:
-                self._release_held()
-            if self.steady:
-                for st in list(self.steady.values()):
-                    self._steady_kick(st)      # rounds held back while another released
-                self._steady_reports()
-            if eof:
-                self._close(self._closed or
-                            f"rank {self.rank} lost its connection to the coordinator (rank 0): "
-                            f"rank 0 exited, crashed or shut down. {SHUT_DOWN_MESSAGE}")
-                return
+                timeout = max(0.0, min(timeout,
+                                       min(h[3] for h in self._held) - time.monotonic()))
+        return timeout
+
+    def _step(self, events) -> bool:
+        """Handle what select() reported, then whatever is due; False once the engine ends."""
+        eof = False
+        for key, _ in events:
+            if key.data == "wake":
+                try:
+                    self._wake_r.recv(65536)
+                except BlockingIOError:
+                    pass
+            elif key.data == "listen":
+                self._accept_peer()
+            elif key.data != "hub":
+                self._on_peer_readable(key.data)
+                if self._closed is not None:
+                    return False
+            else:
+                try:
+                    eof = not self.channel.feed()
+                    self._last_heard = time.monotonic()
+                except OSError:
+                    eof = True
+        if self._silence_limit_s and not eof and \
+                time.monotonic() - self._last_heard > self._silence_limit_s:
+            silent = time.monotonic() - self._last_heard
+            rendezvous.report_hung([0])
+            self._close(f"rank 0 (the coordinator) has sent nothing for {silent:.0f} s, "
+                        f"more than the stall shutdown time + 10 s: it is hung (stopped) "
+                        f"or its host is unreachable. {SHUT_DOWN_MESSAGE}")
+            return False
+        try:
+            msgs = self.channel.messages()
+        except ProtocolError as exc:
+            self._close(f"rank {self.rank}: {exc}")
+            return False
+        for msg in msgs:
+            if not self._on_message(msg):
+                return False
+        if self._held:
+            self._release_held()
+        if self.steady:
+            for st in list(self.steady.values()):
+                self._steady_kick(st)      # rounds held back while another released
+            self._steady_reports()
+        if eof:
+            self._close(self._closed or
+                        f"rank {self.rank} lost its connection to the coordinator (rank 0): "
+                        f"rank 0 exited, crashed or shut down. {SHUT_DOWN_MESSAGE}")
+            return False
+        return True
 
     def _finish_shutdown(self) -> None:
         self._close(SHUT_DOWN_MESSAGE)
@@ -600,7 +677,7 @@ class Engine:
                     self._execute(item[1])
                 elif tag == Item.CACHED:
                     _, set_id, bits, joined = item
-                    self._execute(self.cache.expand(set_id, bits, joined))
+                    self._execute(self.cache.expand(set_id, bits, joined), cached=True)
                 elif tag == Item.EVICT:
                     st = self.steady.get(item[1])
                     if st is not None:
@@ -608,7 +685,7 @@ class Engine:
                     else:
                         self.cache.evict(item[1], item[2])
                 elif tag == Item.STEADY:
-                    self._enter_steady(item[1], item[2])
+                    self._enter_steady(item[1], item[2], item[3] if len(item) > 3 else 0)
                 elif tag == Item.TAKE_BACK:
                     self._take_back(item[1], item[2], item[3])
                 elif tag == Item.GONE:
@@ -635,12 +712,20 @@ class Engine:
         return True
 
     # ------------------------------------------------------------------ steady state
-    def _enter_steady(self, sid: int, epoch: int) -> None:
-        """The coordinator's "D": from here this set's cached tensors are released by rounds."""
+    def _enter_steady(self, sid: int, epoch: int, width: int = 0) -> None:
+        """The coordinator's "D": from here this set's cached tensors are released by rounds.
+
+        `width` > 0 asks for rounds on the transport where the set's CPU communicator offers an
+        Agreement (MPI): every member decides alike, since all run the same transport and have
+        executed the same responses (so all have, or all lack, the communicator)."""
         ranks = self.set_ranks.get(sid)
         if ranks is None or self.rank not in ranks:
             return
         st = SteadySet(sid, epoch, list(ranks), ranks.index(self.rank))
+        comm = self.comms.get((sid, "cpu"))
+        agreement = getattr(comm, "agreement", None) if width > 0 else None
+        if agreement is not None:
+            st.agreement, st.width = agreement, width
         with self._lock:
             self.epochs[sid] = epoch
             self.steady[sid] = st
@@ -660,7 +745,12 @@ class Engine:
             st.held.append(e)
             st.fallback = True
 
-    def _steady_kick(self, st: SteadySet) -> None:
+    def _steady_kick(self, st: SteadySet, spin_s: float = 0.0) -> None:
+        """Start the set's next round if it has something to offer (drive lock held).
+
+        A transport round is polled for up to `spin_s` (a caller driving its own collective),
+        then handed to the round waiter; a round over the control connections advances as its
+        messages arrive."""
         # Not while a round's responses are being launched: a round started (and finished) from
         # inside would launch its collectives before the rest of the round's, out of order.
         if self._releasing or not st.wants_round():
@@ -669,8 +759,31 @@ class Engine:
             st.ranks[idx], (STEADY_MSG, st.set_id, st.epoch, k, tag, value[0], value[1])),
             time.monotonic())
         self.counters["steady_rounds"] += 1
-        if self._closed is None:
+        if self._closed is not None:
+            return
+        if not isinstance(rnd, TransportRound):
             self._advance(st, rnd)
+            return
+        self.counters["transport_rounds"] += 1
+        deadline = time.perf_counter() + spin_s
+        while rnd.advance() is None:
+            if time.perf_counter() >= deadline:
+                if self._waiter is None:
+                    self._waiter = RoundWaiter(self._waited_round, self._round_current,
+                                               f"hvdlite-rounds-{self.rank}")
+                self._waiter.watch(st, rnd)
+                return
+        self._round_done(st, rnd.result)
+
+    def _round_current(self, st: SteadySet, rnd) -> bool:
+        """Whether a transport round still matters (the round waiter drops it otherwise)."""
+        return self._closed is None and st.round is rnd and self.steady.get(st.set_id) is st
+
+    def _waited_round(self, st: SteadySet, rnd) -> None:
+        """The round waiter saw `rnd` finish: release its tensors from the waiter's thread."""
+        with self._drive:
+            if self._round_current(st, rnd):
+                self._round_done(st, rnd.result)
 
     def _advance(self, st: SteadySet, rnd) -> None:
         result = rnd.advance()
@@ -702,7 +815,7 @@ class Engine:
                 for resp in build_responses(self.cache, st.set_id, [b for b, _ in released],
                                             threshold, not self.settings.disable_group_fusion):
                     self.counters["steady_groups"] += 1
-                    self._execute(resp)
+                    self._execute(resp, cached=True)
                     if self._closed is not None:
                         return
             finally:
@@ -896,7 +1009,8 @@ class Engine:
                                                                    kind)
         return comm
 
-    def _execute(self, resp: Response) -> None:
+    def _execute(self, resp: Response, cached: bool = False) -> None:
+        """Run one response; `cached`: built from this rank's cache, nothing new to learn."""
         set_id = resp.process_set_id
         if resp.type == ERROR:
             for e in self._pop(set_id, resp.names):
@@ -908,7 +1022,7 @@ class Engine:
         for e in entries:
             if e is not None:
                 RECORDER.started(e.flight)
-        if resp.cache_bits:
+        if resp.cache_bits and not cached:
             self.cache.learn(resp, {e.request.name: e.request for e in entries if e is not None})
         if resp.type in (JOIN, BARRIER):
             if resp.type == JOIN:

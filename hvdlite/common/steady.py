@@ -155,6 +155,40 @@ class Round:
         return out
 
 
+class TransportRound:
+    """One round run as a single collective of the transport (MPI: Agreement in backends/mpi.py).
+
+    Same contract as Round for the engine: `advance()` returns the (AND of bits, OR of flags)
+    value once every rank of the set has started its round, else None. There are no messages to
+    offer: the transport matches the k-th round of every rank. Whoever holds the engine's drive
+    lock polls it, or hands it to the round waiter (`owned_by_waiter`), after which only the
+    waiter polls it (an MPI request must not be tested by two threads at once).
+    """
+
+    __slots__ = ("request", "result", "owned_by_waiter")
+
+    def __init__(self, agreement, bits: int, fallback: bool, width: int):
+        if bits >> width:
+            # A bit the round cannot carry (not known when the set entered the steady state:
+            # cannot happen, since new bits need the coordinator). Be safe: fall back.
+            bits &= (1 << width) - 1
+            fallback = True
+        self.request = agreement.start(bits, fallback, width)
+        self.result: tuple[int, bool] | None = None
+        self.owned_by_waiter = False
+
+    def poll(self) -> bool:
+        """Test the request (the owner's thread only); True once the value is known."""
+        if self.result is None and self.request.test():
+            self.result = self.request.value()
+        return self.result is not None
+
+    def advance(self) -> tuple[int, bool] | None:
+        if self.result is None and not self.owned_by_waiter:
+            self.poll()
+        return self.result
+
+
 @dataclass
 class SteadySet:
     """One process set's steady state on one rank."""
@@ -173,6 +207,10 @@ class SteadySet:
     reported: bool = False                           # told the coordinator we wait (stalls)
     deferred: list = field(default_factory=list)     # evictions announced while steady
     inbox: dict = field(default_factory=dict)        # (round, tag) -> value, arrived early
+    # Rounds on the transport instead of the control connections (TransportRound): the set's
+    # Agreement, and how many bits its rounds carry (the coordinator's count at "D").
+    agreement: Any = None
+    width: int = 0
 
     def wants_round(self) -> bool:
         return self.round is None and (bool(self.pending) or self.fallback)
@@ -184,6 +222,10 @@ class SteadySet:
         self.round_bits = bits
         self.round_started = now
         k = self.round_no
+        if self.agreement is not None:
+            rnd = TransportRound(self.agreement, bits, self.fallback, self.width)
+            self.round = rnd
+            return rnd
         rnd = Round(self.me, len(self.ranks), (bits, self.fallback),
                     lambda idx, tag, value: send(idx, k, tag, value))
         self.round = rnd
@@ -209,8 +251,78 @@ class SteadySet:
         return out
 
 
+class RoundWaiter:
+    """A thread that polls the transport rounds nobody else is spinning on.
+
+    Why a thread of its own: the engine's background thread sleeps in select() on sockets and
+    cannot wait on an MPI request, and a round may wait long for a slower rank (a whole
+    backward pass). Polling backs off to POLL_MAX_S, so a long wait costs little CPU and a
+    round that completes is seen within that long. `finish(st, rnd)` runs on this thread for
+    each finished round; `current(st, rnd)` says whether a round still matters (one abandoned
+    by a fallback, a departed rank or shutdown is dropped, never polled again).
+    """
+
+    POLL_MAX_S = 100e-6
+
+    def __init__(self, finish: Callable[[Any, TransportRound], None],
+                 current: Callable[[Any, TransportRound], bool], name: str):
+        import threading
+        self._finish, self._current = finish, current
+        self._cond = threading.Condition()
+        self._rounds: list = []
+        self._stopped = False
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def watch(self, st, rnd: TransportRound) -> None:
+        """From now on only this thread tests `rnd`."""
+        rnd.owned_by_waiter = True
+        with self._cond:
+            self._rounds.append((st, rnd))
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        import time
+        pause = 0.0
+        while True:
+            with self._cond:
+                while not self._rounds and not self._stopped:
+                    self._cond.wait()
+                    pause = 0.0
+                if self._stopped:
+                    return
+                rounds = list(self._rounds)
+            finished, dropped = [], []
+            for st, rnd in rounds:
+                if not self._current(st, rnd):
+                    dropped.append(rnd)
+                elif rnd.poll():
+                    finished.append((st, rnd))
+            if finished or dropped:
+                gone = {id(r) for r in dropped} | {id(r) for _, r in finished}
+                with self._cond:
+                    self._rounds = [x for x in self._rounds if id(x[1]) not in gone]
+            for st, rnd in finished:
+                self._finish(st, rnd)
+            if finished:
+                pause = 0.0
+            elif not dropped:
+                time.sleep(pause)
+                pause = min(pause * 2 or 10e-6, self.POLL_MAX_S)
+
+
 def build_responses(cache, set_id: int, bits: list[int], threshold: int,
                     group_fusion: bool) -> list[Response]:
-    """The fused responses for released bits: the same on every rank, as the coordinator's."""
-    singles = [cache.expand(set_id, [b], ()) for b in bits]
-    return fuse_responses(singles, threshold, group_fusion=group_fusion)
+    """The fused responses for released bits: the same on every rank, as the coordinator's.
+    Built once per distinct release and kept in the cache (RankCache.built); never mutated."""
+    key = (set_id, tuple(bits), threshold, group_fusion)
+    built = cache.built.get(key)
+    if built is None:
+        singles = [cache.expand(set_id, [b], ()) for b in bits]
+        built = cache.built[key] = fuse_responses(singles, threshold, group_fusion=group_fusion)
+    return built

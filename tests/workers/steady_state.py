@@ -62,6 +62,15 @@ def steady_hits():
     released = after["steady_released"] - before["steady_released"]
     if released != 9 * (len(SHAPES) + 1):
         fail(f"steady rounds released {released} tensors, expected {9 * (len(SHAPES) + 1)}")
+    # Where the rounds ran: on MPI as one allreduce each (no control messages between the
+    # ranks), elsewhere over the control connections.
+    rounds = after["steady_rounds"] - before["steady_rounds"]
+    on_transport = after["transport_rounds"] - before["transport_rounds"]
+    peer = after["peer_messages"] - before["peer_messages"]
+    if hvd.mpi_enabled() and (on_transport != rounds or peer != 0):
+        fail(f"MPI: {on_transport} of {rounds} rounds on the transport, {peer} peer messages")
+    if not hvd.mpi_enabled() and (on_transport != 0 or peer == 0):
+        fail(f"gloo: {on_transport} rounds on the transport, {peer} peer messages")
 
 
 def changed_shape():
@@ -151,6 +160,14 @@ def buckets():
         took.append(time.monotonic() - t0)
     if statistics.median(took[4:]) > 0.09:   # held until the deadline would be >= 2 x 50 ms
         fail(f"synchronous calls waited for their bucket: {took}")
+    if hvd.mpi_enabled():
+        # MPI: a synchronous call with nothing else in flight runs its round (and collective) on
+        # the caller's thread (engine.Engine._drive_inline).
+        before_sync = counters()["inline_driven"]
+        for k in range(6):
+            same(hvd.allreduce(a, name="bk.a", op=hvd.Sum), a * size, "inline a")
+        if counters()["inline_driven"] - before_sync < 6:
+            fail(f"synchronous calls on MPI were not driven by the caller: {counters()}")
 
 
 check("steady_hits", steady_hits)

@@ -10,6 +10,7 @@ import os
 import socket
 import time
 
+import numpy as np
 import torch
 
 from .. import config
@@ -98,6 +99,60 @@ def _array(t: torch.Tensor):
     return t.numpy()
 
 
+class Agreement:
+    """The steady state's rounds (steady.py) as one small MPI allreduce each.
+
+    Why: a round only combines every rank's (ready bits, fallback flag). Over the control
+    connections that costs a message each way between Python threads (~100 us on 2 cores, and
+    the ranks leave the round up to a one-way latency apart), while MPI does it through shared
+    memory in a few us and lets every rank leave at almost the same moment. The rounds run on a
+    duplicate of the set's communicator, so they never interleave with its data collectives:
+    MPI matches each communicator's collectives in call order, and every rank starts rounds in
+    round order and collectives in release order.
+
+    A round is (AND of bits, OR of flags): one BAND over `width` bits packed into 64-bit words,
+    plus a word that is all ones while the rank does not ask for the fallback.
+    """
+
+    def __init__(self, comm):
+        self.comm = comm.Dup()
+        self._buf = np.zeros(0, dtype=np.uint64)    # one round at a time per set: reused
+
+    def start(self, bits: int, fallback: bool, width: int) -> "AgreementRequest":
+        nbytes = (max(width, 1) + 63) // 64 * 8
+        data = bits.to_bytes(nbytes, "little") + (b"\0" * 8 if fallback else b"\xff" * 8)
+        if self._buf.nbytes != len(data):
+            self._buf = np.empty(len(data) // 8, dtype=np.uint64)
+        buf = self._buf
+        buf.view(np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
+        return AgreementRequest(self.comm.Iallreduce(MPI.IN_PLACE, buf, MPI.BAND), buf)
+
+    def close(self) -> None:
+        if self.comm is not None:
+            try:
+                self.comm.Free()
+            except Exception:
+                pass
+            self.comm = None
+
+
+class AgreementRequest:
+    """One round in flight: `test()` polls (one thread at a time), `value()` decodes it."""
+
+    __slots__ = ("req", "buf")
+
+    def __init__(self, req, buf: np.ndarray):
+        self.req, self.buf = req, buf
+
+    def test(self) -> bool:
+        return bool(self.req.Test())
+
+    def value(self) -> tuple[int, bool]:
+        words = self.buf[:-1]
+        return (int.from_bytes(words.tobytes(), "little"),
+                int(self.buf[-1]) != 0xFFFFFFFFFFFFFFFF)
+
+
 class MPICommunicator:
     device = "cpu"
 
@@ -115,6 +170,7 @@ class MPICommunicator:
         # finisher thread (Engine._poll_inline): MPI's shared-memory latency is a few us, far
         # below a thread hand-off. Not when ranks outnumber cores: polling would take the core.
         self.inline_poll_s = 0.0 if self.yielding else INLINE_POLL_S
+        self.agreement = Agreement(comm)
 
     @classmethod
     def for_ranks(cls, world, ranks: list[int]) -> "MPICommunicator":
@@ -154,6 +210,7 @@ class MPICommunicator:
         return _Request(req, yielding=self.yielding)
 
     def close(self) -> None:
+        self.agreement.close()
         if self.comm is not None:
             try:
                 self.comm.Free()
