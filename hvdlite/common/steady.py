@@ -24,6 +24,15 @@ The protocol, per process set (every rank of the set runs it; rank 0 is not spec
    rank and round, plus one pre/post step when N is not a power of two), so every rank ends
    round k with the same value. Rounds are numbered, so a message that arrives early waits in
    an inbox.
+   On MPI a round is instead one allreduce (bitwise AND) on a duplicate of the set's
+   communicator (TransportRound, backends/mpi.Agreement). "D" carries the width: the number of
+   bits the set's cache has handed out (no new bit can appear before the next fallback, since
+   new bits need the coordinator). MPI matches every rank's k-th round. It costs a few us
+   through shared memory against ~100 us for messages between Python threads, and every rank
+   leaves the round at almost the same moment. A caller whose one tensor is all its rank has in
+   flight runs the round itself, and, where MPI waits may spin, its collective too
+   (engine.Engine._drive_inline); a round nobody spins on is polled by a RoundWaiter thread.
+   HVDLITE_STEADY_ROUNDS=peers keeps the messages.
 3. Release. Every rank releases the common bits of the round, in ascending bit order, fused
    exactly as the coordinator fuses (fusion.fuse_responses with the configured threshold), from
    the same cache templates. Identical input gives identical collectives on every rank, so
