@@ -93,12 +93,26 @@ def main():
         def rw():
             raw.allreduce(x)
 
+        # The floor of any collective that the ranks agree on before they send it (hvdlite's
+        # steady state, Horovod's cycle): one raw allreduce of 16 bytes of ready bits, then the
+        # data. Measured for the small sizes, where it matters.
+        bits = torch.zeros(4, dtype=torch.int32)
+
+        def agreed():
+            raw.allreduce(bits)
+            raw.allreduce(x)
+
+        small = nbytes <= 64 << 10
         hv()
         rw()
-        a, b = [], []
+        if small:
+            agreed()
+        a, b, c = [], [], []
         for _ in range(args.rounds):
             a.append(timed(hv, n))
             b.append(timed(rw, n))
+            if small:
+                c.append(timed(agreed, n))
         ta, tb = statistics.median(a), statistics.median(b)
         # Spread: raw/hvdlite time of each alternating round (timed back to back).
         per_round = [y / x for x, y in zip(a, b)]
@@ -110,6 +124,8 @@ def main():
                      "hvdlite_busbw_max": bus * nbytes / min(a) / 1e9,
                      "raw_busbw_min": bus * nbytes / max(b) / 1e9,
                      "raw_busbw_max": bus * nbytes / min(b) / 1e9})
+        if small:
+            rows[-1]["raw_agreed_us"] = statistics.median(c) * 1e6
         nbytes *= 4
 
     # Many small tensors: fusion against one-by-one on the raw transport.
@@ -173,12 +189,14 @@ def main():
         print("(ratios: median over alternating rounds; spread = min-max of the per-round "
               "ratios; latency ratio = hvdlite time / raw time)")
         print(f"{'bytes':>10} {'hvdlite us':>11} {'raw us':>10} {'hvdlite GB/s':>13} "
-              f"{'raw GB/s':>9} {'hvdlite/raw bw':>15} {'spread':>11} {'latency x':>9}")
+              f"{'raw GB/s':>9} {'hvdlite/raw bw':>15} {'spread':>11} {'latency x':>9} "
+              f"{'raw agreed+data us':>19}")
         for r in rows:
+            agreed_us = f"{r['raw_agreed_us']:>19.1f}" if "raw_agreed_us" in r else ""
             print(f"{r['bytes']:>10} {r['hvdlite_us']:>11.1f} {r['raw_us']:>10.1f} "
                   f"{r['hvdlite_busbw_GBs']:>13.3f} {r['raw_busbw_GBs']:>9.3f} "
                   f"{r['ratio_bw']:>15.2f} {r['ratio_bw_min']:>5.2f}-{r['ratio_bw_max']:<5.2f} "
-                  f"{r['hvdlite_us'] / r['raw_us']:>9.2f}")
+                  f"{r['hvdlite_us'] / r['raw_us']:>9.2f} {agreed_us}")
         print(f"{many['tensors']} tensors of 4-256 KiB ({total / 2**20:.1f} MiB): hvdlite fused "
               f"{many['hvdlite_ms']:.1f} ms, raw one by one {many['raw_one_by_one_ms']:.1f} ms, "
               f"speedup {many['speedup']:.2f}x (spread {many['speedup_min']:.2f}-"

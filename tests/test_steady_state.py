@@ -9,6 +9,8 @@ Worker: tests/workers/steady_state.py, one `CHECK <name> OK|FAIL` line per check
   raises today's mismatch error on every rank; the job returns to the steady state;
 - join: uneven inputs with hvd.join() across the steady state;
 - process_set: a static set [0, 1] reaches its own steady state beside the global one.
+On MPI the rounds run on the transport; workers/steady_mpi_rounds.py checks that path on 2 ranks
+(callers driving their own round, the round waiter, async steps, a changed shape).
 The stall case (a rank that stops submitting) is in test_errors.py.
 """
 from __future__ import annotations
@@ -63,3 +65,23 @@ def test_steady_state_mpi(mpi_run):
     for name in CHECKS:
         mpi_run.check(name)
     mpi_run.finished()
+
+
+MPI_ROUNDS_CHECKS = ["inline", "waiter", "async", "changed_shape"]
+
+
+@pytest.fixture(scope="module")
+def mpi_rounds_run():
+    from test_mpi import HAVE_MPI
+    if not HAVE_MPI:
+        pytest.skip("mpi4py/mpiexec not installed (pip install mpi4py mpich)")
+    return MpiRun("steady_mpi_rounds.py", 2)
+
+
+@pytest.mark.timeout(180)
+def test_steady_rounds_on_mpi(mpi_rounds_run):
+    """Rounds as one MPI allreduce (steady.TransportRound): caller-driven synchronous calls, a
+    late rank (the round waiter), async steps, a changed shape (workers/steady_mpi_rounds.py)."""
+    for name in MPI_ROUNDS_CHECKS:
+        mpi_rounds_run.check(name)
+    mpi_rounds_run.finished()

@@ -395,7 +395,21 @@ class Engine:
         next submission starts a new bucket pass."""
         self._wait_marks.append(self._submitted)
         if self._held or self._queue:
-            self._flush = True
+            with self._lock:
+                # The waiter's one held entry, with nothing else in flight (a synchronous call
+                # the bucket planner held for the rest of its pass): drive it from here, as
+                # enqueue would have, rather than through the background thread.
+                st = None
+                if len(self._held) == 1 and not self._queue:
+                    held, self._held = self._held, []
+                    st = self._inline_set([held[0][0]])
+                    if st is None:
+                        self._held = held
+                if st is None:
+                    self._flush = True
+            if st is not None:
+                self._drive_inline(st, held[0][0])
+                return
             self._wake()
 
     def _wake(self) -> None:
