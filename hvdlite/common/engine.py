@@ -322,7 +322,7 @@ class Engine:
                 # took the core from backpropagation (on a rank with one core, each wake-up cost
                 # the training thread ~100 us: 3 ms of a transformer's step).
                 go = self._hold_back(entries)
-                inline = self._inline_set(go)
+                inline = self._inline_set(go)      # then go == entries: the one in flight
                 if inline is None:
                     self._queue.extend(go)
                 # Wake only to send: while holding, the background thread looks at the holds'

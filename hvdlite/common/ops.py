@@ -43,7 +43,9 @@ class Handle:
     `wait(timeout=None)` returns the result (raising HorovodInternalError on failure, and
     TimeoutError, leaving the handle usable, when `timeout` seconds pass first); `test()` returns
     `(done, result_or_None)` without blocking; `done()` says whether `wait` would block;
-    `add_done_callback(fn)` calls `fn(handle)` once it completes (on an engine thread)."""
+    `add_done_callback(fn)` calls `fn(handle)` once it completes (on an engine thread, or on
+    the caller's thread where the collective ran there: a synchronous MPI call); `fn` must not
+    wait for another collective."""
 
     __slots__ = ("_inner", "_post", "_alive", "_result", "_error", "_waited", "_lock")
 
