@@ -48,6 +48,9 @@ VARIABLES: tuple[Var, ...] = (
     _v("CACHE_CAPACITY", "int", 1024, "response cache entries; 0 disables the cache"),
     _v("STEADY_STATE", "bool", True, "0 keeps every cycle on the coordinator in rank 0 (no "
        "decentralised steady state)"),
+    _v("STEADY_ROUNDS", "str", "auto", "`auto` or `peers`: where the steady state's rounds run; "
+       "auto: one small allreduce on the transport where it can (MPI), else messages between "
+       "the ranks; peers: always messages", _L),
     _v("BUCKET_CAP_MB", "float", 25.0, "steady-state gradient buckets: an allreduce waits until "
        "its bucket (about this many MB, in the order the last step submitted them) is complete; "
        "0 sends each as soon as every rank has it (Horovod's behaviour)", _L),
