@@ -52,19 +52,27 @@ class MpiRun(Run):
         self.detail_lines = 30
 
 
-@pytest.fixture(scope="module")
-def mpi_run():
+def _mpi(script: str, np: int) -> MpiRun:
     from test_mpi import HAVE_MPI
     if not HAVE_MPI:
         pytest.skip("mpi4py/mpiexec not installed (pip install mpi4py mpich)")
-    return MpiRun("steady_state.py", 3)
+    return MpiRun(script, np)
+
+
+@pytest.fixture(scope="module")
+def mpi_run():
+    return _mpi("steady_state.py", 3)
+
+
+def _all_checks(run, names) -> None:
+    for name in names:
+        run.check(name)
+    run.finished()
 
 
 @pytest.mark.timeout(180)
 def test_steady_state_mpi(mpi_run):
-    for name in CHECKS:
-        mpi_run.check(name)
-    mpi_run.finished()
+    _all_checks(mpi_run, CHECKS)
 
 
 MPI_ROUNDS_CHECKS = ["inline", "waiter", "async", "changed_shape"]
@@ -72,16 +80,11 @@ MPI_ROUNDS_CHECKS = ["inline", "waiter", "async", "changed_shape"]
 
 @pytest.fixture(scope="module")
 def mpi_rounds_run():
-    from test_mpi import HAVE_MPI
-    if not HAVE_MPI:
-        pytest.skip("mpi4py/mpiexec not installed (pip install mpi4py mpich)")
-    return MpiRun("steady_mpi_rounds.py", 2)
+    return _mpi("steady_mpi_rounds.py", 2)
 
 
 @pytest.mark.timeout(180)
 def test_steady_rounds_on_mpi(mpi_rounds_run):
     """Rounds as one MPI allreduce (steady.TransportRound): caller-driven synchronous calls, a
     late rank (the round waiter), async steps, a changed shape (workers/steady_mpi_rounds.py)."""
-    for name in MPI_ROUNDS_CHECKS:
-        mpi_rounds_run.check(name)
-    mpi_rounds_run.finished()
+    _all_checks(mpi_rounds_run, MPI_ROUNDS_CHECKS)

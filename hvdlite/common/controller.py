@@ -586,13 +586,7 @@ class Coordinator:
         if s.gone:
             # As for full requests (_on_request): a member already shut down, so these can never
             # be released. Without this, a cache hit sent after the shutdown waited forever.
-            names, bits = [], mask
-            while bits:
-                low = bits & -bits
-                bits ^= low
-                entry = s.cache.lookup_bit(low.bit_length() - 1)
-                if entry is not None:
-                    names.append(entry.template.names[0])
+            names = self._bit_names(s, mask)
             gone = sorted(s.ranks[i] for i in s.gone)
             self._send_error(rank, s.id, names,
                              self._gone_message(gone, ", ".join(repr(n) for n in names[:6])), out)
@@ -674,16 +668,10 @@ class Coordinator:
                 for other in s.ranks:
                     if other != rank:
                         out.setdefault(other, []).append((Item.GONE, s.id, [rank]))
-            names = list(s.table)
             bits = 0
             for b in s.pending_bits:
                 bits |= b
-            while bits:
-                low = bits & -bits
-                bits ^= low
-                entry = s.cache.lookup_bit(low.bit_length() - 1)
-                if entry is not None:
-                    names.append(entry.template.names[0])
+            names = list(s.table) + self._bit_names(s, bits)
             if names:
                 message = self._gone_message([rank], ", ".join(repr(n) for n in names[:6]))
                 for other in s.ranks:
@@ -693,6 +681,18 @@ class Coordinator:
                 s.first_seen.clear()
                 s.pending_bits = [0] * len(s.ranks)
                 s.bit_seen.clear()
+
+    @staticmethod
+    def _bit_names(s: SetState, bits: int) -> list:
+        """The tensor names behind a mask of cache bits (bits the cache forgot are skipped)."""
+        names = []
+        while bits:
+            low = bits & -bits
+            bits ^= low
+            entry = s.cache.lookup_bit(low.bit_length() - 1)
+            if entry is not None:
+                names.append(entry.template.names[0])
+        return names
 
     @staticmethod
     def _gone_message(gone: list, what: str) -> str:
@@ -867,12 +867,8 @@ class Coordinator:
         names = [r.name for r in requests]
         for set_id, mask in hits:
             s = self.sets.get(set_id)
-            while mask and s is not None:
-                low = mask & -mask
-                mask ^= low
-                entry = s.cache.lookup_bit(low.bit_length() - 1)
-                if entry is not None:
-                    names.append(entry.template.names[0])
+            if s is not None:
+                names += self._bit_names(s, mask)
         return names
 
     def _hang_message(self, hung: list, now: float) -> str:

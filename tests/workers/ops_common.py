@@ -104,3 +104,34 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol=1e-6, at
         torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
     except AssertionError as exc:
         fail(f"{what}: {exc}")
+
+
+def shape_mismatch(name: str) -> None:
+    """Allreduce `name` with shape [4] on rank 1 and [3] elsewhere: every rank must raise the
+    coordinator's mismatch error, naming the tensor and both shapes."""
+    shape = (4,) if hvd.rank() == 1 else (3,)
+    try:
+        hvd.allreduce(torch.ones(shape), name=name, op=hvd.Sum)
+    except hvd.HorovodInternalError as exc:
+        expected = (f"Mismatched ALLREDUCE tensor shapes on tensor '{name}': rank 0 sent shape "
+                    f"[3] but rank 1 sent shape [4]. ALLREDUCE needs the same shape on every rank.")
+        if expected not in str(exc):
+            fail(f"unexpected error: {exc}")
+    else:
+        fail("a shape mismatch after the steady state did not raise")
+
+
+def steady_delta(step, warm: range, timed: range) -> dict:
+    """Run `step(k)` for the warm-up steps, then for the timed ones; the engine counters' change
+    over the timed steps (fails the check if the job never entered the steady state)."""
+    from hvdlite.common import basics
+    for k in warm:
+        step(k)
+    before = basics.engine_counters()
+    for k in timed:
+        step(k)
+    after = basics.engine_counters()
+    if after["steady_entered"] < 1:
+        fail(f"never entered the steady state: {after}")
+    return {key: after[key] - before.get(key, 0) for key in after}
+

@@ -20,7 +20,7 @@ import torch
 
 import hvdlite.torch as hvd
 from hvdlite.common import basics
-from ops_common import check, fail, finish, gen, same
+from ops_common import check, fail, finish, gen, same, shape_mismatch, steady_delta
 
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
@@ -45,15 +45,7 @@ def sync_step(k: int) -> None:
 
 
 def inline():
-    for k in range(4):
-        sync_step(k)
-    before = counters()
-    for k in range(4, 14):
-        sync_step(k)
-    after = counters()
-    if after["steady_entered"] < 1:
-        fail(f"never entered the steady state: {after}")
-    d = {key: after[key] - before[key] for key in after}
+    d = steady_delta(sync_step, range(4), range(4, 14))
     if d["coordinator_messages"] or d["peer_messages"]:
         fail(f"steady steps sent messages: {d}")
     if d["steady_released"] != 30 or d["transport_rounds"] != d["steady_rounds"]:
@@ -89,16 +81,7 @@ def async_step():
 
 
 def changed_shape():
-    shape = (4,) if rank == 1 else (3,)
-    try:
-        hvd.allreduce(torch.ones(shape), name="r.sum", op=hvd.Sum)
-    except hvd.HorovodInternalError as exc:
-        expected = ("Mismatched ALLREDUCE tensor shapes on tensor 'r.sum': rank 0 sent shape [3] "
-                    "but rank 1 sent shape [4].")
-        if expected not in str(exc):
-            fail(f"unexpected error: {exc}")
-    else:
-        fail("a shape mismatch after the steady state did not raise")
+    shape_mismatch("r.sum")
     entered = counters()["steady_entered"]
     for k in range(40, 46):
         sync_step(k)

@@ -14,7 +14,7 @@ import torch
 
 import hvdlite.torch as hvd
 from hvdlite.common import basics
-from ops_common import check, fail, finish, gen, same
+from ops_common import check, fail, finish, gen, same, shape_mismatch, steady_delta
 
 pair = hvd.ProcessSet([0, 1])
 hvd.init(process_sets=[pair])
@@ -48,25 +48,15 @@ def counters():
 
 
 def steady_hits():
-    for k in range(3):
-        step(k)
-    before = counters()
-    for k in range(3, 12):
-        step(k)
-    after = counters()
-    if after["steady_entered"] < 1:
-        fail(f"never entered the steady state: {after}")
-    if after["coordinator_messages"] != before["coordinator_messages"]:
-        fail(f"steady steps sent {after['coordinator_messages'] - before['coordinator_messages']}"
-             f" messages to the coordinator: {before} -> {after}")
-    released = after["steady_released"] - before["steady_released"]
-    if released != 9 * (len(SHAPES) + 1):
-        fail(f"steady rounds released {released} tensors, expected {9 * (len(SHAPES) + 1)}")
+    d = steady_delta(step, range(3), range(3, 12))
+    if d["coordinator_messages"]:
+        fail(f"steady steps sent {d['coordinator_messages']} messages to the coordinator: {d}")
+    if d["steady_released"] != 9 * (len(SHAPES) + 1):
+        fail(f"steady rounds released {d['steady_released']} tensors, expected "
+             f"{9 * (len(SHAPES) + 1)}")
     # Where the rounds ran: on MPI as one allreduce each (no control messages between the
     # ranks), elsewhere over the control connections.
-    rounds = after["steady_rounds"] - before["steady_rounds"]
-    on_transport = after["transport_rounds"] - before["transport_rounds"]
-    peer = after["peer_messages"] - before["peer_messages"]
+    rounds, on_transport, peer = d["steady_rounds"], d["transport_rounds"], d["peer_messages"]
     if hvd.mpi_enabled() and (on_transport != rounds or peer != 0):
         fail(f"MPI: {on_transport} of {rounds} rounds on the transport, {peer} peer messages")
     if not hvd.mpi_enabled() and (on_transport != 0 or peer == 0):
@@ -74,16 +64,7 @@ def steady_hits():
 
 
 def changed_shape():
-    shape = (4,) if rank == 1 else (3,)
-    try:
-        hvd.allreduce(torch.ones(shape), name="s.g0", op=hvd.Sum)
-    except hvd.HorovodInternalError as exc:
-        expected = ("Mismatched ALLREDUCE tensor shapes on tensor 's.g0': rank 0 sent shape [3] "
-                    "but rank 1 sent shape [4]. ALLREDUCE needs the same shape on every rank.")
-        if expected not in str(exc):
-            fail(f"unexpected error: {exc}")
-    else:
-        fail("a shape mismatch after the steady state did not raise")
+    shape_mismatch("s.g0")
     fallbacks = counters()["steady_fallbacks"]
     if fallbacks < 1:
         fail(f"no fallback to full negotiation: {counters()}")

@@ -99,6 +99,15 @@ def _array(t: torch.Tensor):
     return t.numpy()
 
 
+def _free(comm) -> None:
+    """Free a communicator (None: nothing); at shutdown MPI may already be finalized."""
+    if comm is not None:
+        try:
+            comm.Free()
+        except Exception:
+            pass
+
+
 class Agreement:
     """The steady state's rounds (steady.py) as one small MPI allreduce each.
 
@@ -128,12 +137,8 @@ class Agreement:
         return AgreementRequest(self.comm.Iallreduce(MPI.IN_PLACE, buf, MPI.BAND), buf)
 
     def close(self) -> None:
-        if self.comm is not None:
-            try:
-                self.comm.Free()
-            except Exception:
-                pass
-            self.comm = None
+        _free(self.comm)
+        self.comm = None
 
 
 class AgreementRequest:
@@ -211,12 +216,8 @@ class MPICommunicator:
 
     def close(self) -> None:
         self.agreement.close()
-        if self.comm is not None:
-            try:
-                self.comm.Free()
-            except Exception:
-                pass
-            self.comm = None
+        _free(self.comm)
+        self.comm = None
 
 
 # ---------------------------------------------------------------------- job set-up over MPI
