@@ -28,7 +28,7 @@ import logging
 import queue
 from typing import Any, Callable, Iterable, Optional
 
-from . import basics, rendezvous
+from . import basics, config, rendezvous
 from .exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from .host_updates import HostUpdateResult  # noqa: F401  (public here, as in Horovod)
 
@@ -45,6 +45,14 @@ _HOSTS_NAME = "hvdlite.elastic.host_updates"
 def is_elastic() -> bool:
     """True in a worker started by `hvdlite-run` in elastic mode."""
     return rendezvous.is_elastic_worker()
+
+
+def may_resize() -> bool:
+    """Whether the job was started elastic (HVDLITE_ELASTIC=1), so its size may change: the
+    frontends then keep their reductions over a one-member set (torch's gradient hooks,
+    TensorFlow's graph nodes), which skip at run time, instead of leaving them out as Horovod
+    does in a job that cannot grow."""
+    return config.env("ELASTIC") == "1"
 
 
 # ---------------------------------------------------------------------- engine helpers

@@ -369,9 +369,7 @@ class Engine:
         if self._drive.acquire(blocking=False):
             try:
                 with self._lock:
-                    ok = (self._closed is None and self.steady.get(st.set_id) is st
-                          and st.round is None and not st.pending and not st.held
-                          and not self._queue and not self._releasing)
+                    ok = self._closed is None and self._inline_set([e]) is st
                 if ok:
                     self.counters["inline_driven"] += 1
                     e.planned = True

@@ -64,6 +64,8 @@ their next fallback. HVDLITE_STEADY_STATE=0 turns the steady state off.
 """
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -275,7 +277,6 @@ class RoundWaiter:
 
     def __init__(self, finish: Callable[[Any, TransportRound], None],
                  current: Callable[[Any, TransportRound], bool], name: str):
-        import threading
         self._finish, self._current = finish, current
         self._cond = threading.Condition()
         self._rounds: list = []
@@ -296,7 +297,6 @@ class RoundWaiter:
             self._cond.notify()
 
     def _run(self) -> None:
-        import time
         pause = 0.0
         while True:
             with self._cond:

@@ -19,7 +19,7 @@ import torch
 from ..common import basics as _basics
 from ..common import naming as _naming
 from ..common import ops as _cops
-from ..common.config import env
+from ..common.elastic import may_resize
 from . import mpi_ops as _ops
 from .compression import Compression
 from .mpi_ops import Adasum, Average, Max, Min, Product, Sum, global_process_set
@@ -187,7 +187,7 @@ class GradientReducer:
         through untouched. An elastic job keeps its nodes, which skip at run time, so a traced
         graph stays valid after a resize. Why: with the per-gradient nodes in its graph a
         1-rank Keras fit ran 7-13 % below plain Keras."""
-        return env("ELASTIC") != "1" and nothing_to_reduce(_ops._set_id(self.process_set))
+        return not may_resize() and nothing_to_reduce(_ops._set_id(self.process_set))
 
     def _reduce_now(self, grads, dense, sparse, variables, base, cacheable) -> dict:
         """Reduce the gradients at `dense` and `sparse` (indices into `grads`).

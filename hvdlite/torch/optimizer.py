@@ -14,7 +14,7 @@ import torch
 
 from ..common import adasum as _adasum
 from ..common import basics as _basics
-from ..common.config import env
+from ..common.elastic import may_resize
 from .compression import Compression, NoneCompressor, drive_all, is_stateful
 from .mpi_ops import (Adasum, Average, allreduce_async_, global_process_set,
                       grouped_allreduce_async_, sparse_allreduce_async, synchronize)
@@ -204,7 +204,7 @@ class _DistributedOptimizer(_HookedOptimizer):
         self._p_to_group = {}
         self._group_counts = {}
 
-        if self.process_set.included() and (_basics.size() > 1 or env("ELASTIC") == "1"):
+        if self.process_set.included() and (_basics.size() > 1 or may_resize()):
             self._register_hooks()
 
     def load_state_dict(self, *args, **kwargs):
