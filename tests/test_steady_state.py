@@ -8,7 +8,9 @@ Worker: tests/workers/steady_state.py, one `CHECK <name> OK|FAIL` line per check
 - changed_shape: a changed shape after the steady state falls back to full negotiation and
   raises today's mismatch error on every rank; the job returns to the steady state;
 - join: uneven inputs with hvd.join() across the steady state;
-- process_set: a static set [0, 1] reaches its own steady state beside the global one.
+- process_set: a static set [0, 1] reaches its own steady state beside the global one;
+- one-member sets (workers/steady_solo.py): a one-rank job, and a set of one rank beside the
+  global set, release cached tensors on the caller's thread.
 On MPI the rounds run on the transport; workers/steady_mpi_rounds.py checks that path on 2 ranks
 (callers driving their own round, the round waiter, async steps, a changed shape).
 The stall case (a rank that stops submitting) is in test_errors.py.
@@ -88,3 +90,21 @@ def test_steady_rounds_on_mpi(mpi_rounds_run):
     """Rounds as one MPI allreduce (steady.TransportRound): caller-driven synchronous calls, a
     late rank (the round waiter), async steps, a changed shape (workers/steady_mpi_rounds.py)."""
     _all_checks(mpi_rounds_run, MPI_ROUNDS_CHECKS)
+
+
+SOLO_CHECKS = ["solo_hits", "solo_changed_shape", "solo_many_async", "solo_join",
+               "global_still_works"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("np", [1, 2])
+def test_steady_state_one_member_set(np):
+    """A one-member set (a one-rank job; a process set of one rank beside the global set)
+    releases cached tensors on the caller's thread, with no coordinator message
+    (workers/steady_solo.py)."""
+    _all_checks(Run("steady_solo.py", np, timeout=150), SOLO_CHECKS)
+
+
+@pytest.mark.timeout(180)
+def test_steady_state_one_member_set_mpi():
+    _all_checks(_mpi("steady_solo.py", 2), SOLO_CHECKS)

@@ -163,6 +163,16 @@ class Executor:
         op = SUM if resp.reduce_op == AVERAGE else resp.reduce_op
         post = resp.postscale / comm.size if resp.reduce_op == AVERAGE else resp.postscale
         names = resp.names
+        if comm.size == 1 and all(o is not None and _on(comm, o) for o in outputs):
+            # One rank: a reduction of one value is that value. Fusing would copy every tensor
+            # into a buffer and back (~3.6 ms for 12.8 MiB here) to send nothing.
+            self._tl(names, "ALLREDUCE")
+            for src, out in zip(inputs, outputs):
+                if not _same_memory(src, out):
+                    out.copy_(src)
+                scale_(out, resp.prescale)
+                scale_(out, post)
+            return
         direct = getattr(comm, "allreduce_tensors", None)
         if direct is not None:
             # The transport copies the tensors in and the results out itself (gloo's shared-

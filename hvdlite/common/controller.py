@@ -765,7 +765,7 @@ class Coordinator:
             if not s.all_hits:
                 continue
             s.all_hits = False
-            if (s.steady or len(s.ranks) < 2 or s.table or any(s.pending_bits) or s.joined
+            if (s.steady or s.table or any(s.pending_bits) or s.joined
                     or s.groups or s.gone or self.fatal):
                 continue
             s.epoch += 1

@@ -349,6 +349,7 @@ class Engine:
         the transport (MPI), the caller starts the round on its own thread (_drive_inline).
         Where waits may spin (every rank has a core) it also polls the round for a short window
         and, if every rank is there, runs the collective too, so nothing crosses a thread.
+        A one-member set's round ends at once on any transport: its caller always runs it.
         (Starting a round over the control connections from here gained nothing measurable on
         gloo: the peers' answer still arrives on the background thread.) Called with self._lock
         held."""
@@ -356,8 +357,8 @@ class Engine:
                 or len(self._inflight) != 1 or self._releasing or self._stopping:
             return None
         st = self.steady.get(go[0].request.process_set_id)
-        if st is None or st.agreement is None or st.round is not None or st.pending \
-                or st.held or st.fallback:
+        if st is None or (st.agreement is None and len(st.ranks) > 1) or st.round is not None \
+                or st.pending or st.held or st.fallback:
             return None
         return st
 
@@ -572,7 +573,9 @@ class Engine:
         for e in entries:
             req = e.request
             sid = req.process_set_id
-            if e.planned or sid not in self.steady or req.type != ALLREDUCE \
+            st = self.steady.get(sid)
+            # A one-member set sends nothing: holding its tensors for a bucket gains nothing.
+            if e.planned or st is None or len(st.ranks) == 1 or req.type != ALLREDUCE \
                     or req.group is not None or not req.cacheable:
                 e.planned = True
                 go.append(e)
