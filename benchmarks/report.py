@@ -100,6 +100,22 @@ def control_plane(root: str) -> list[str]:
     return out
 
 
+def one_rank(root: str) -> list[str]:
+    on, off = _load(root, "one_rank"), _load(root, "one_rank_coordinator")
+    if on is None:
+        return []
+    out = ["| what | hvdlite µs | gloo (1 rank) µs | hvdlite/gloo (spread) |"
+           + (" every call through the coordinator µs |" if off else ""),
+           "|---|---|---|---|" + ("---|" if off else "")]
+    for i, r in enumerate(on["rows"]):
+        row = (f"| {r['what']} | {r['hvdlite_us']:.1f} | {r['raw_us']:.1f} | "
+               f"**{r['ratio']:.2f}** ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) |")
+        if off:
+            row += f" {off['rows'][i]['hvdlite_us']:.1f} |"
+        out.append(row)
+    return out
+
+
 def zero(root: str) -> list[str]:
     out = ["| transformer + Adam, max over ranks | ranks | state B/rank | × stage 0 | "
            "params+grads+state B/rank | ms/step (spread) | × stage 0 |",
@@ -167,7 +183,8 @@ def main() -> None:
     root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(
         os.path.abspath(__file__)), "results")
     for title, fn in (("Training step", train_step), ("Allreduce, 2 ranks", allreduce),
-                      ("Control plane", control_plane), ("ZeRO", zero),
+                      ("Control plane", control_plane), ("One-rank job", one_rank),
+                      ("ZeRO", zero),
                       ("Compression", compression), ("Keras", keras)):
         lines = fn(root)
         if lines:

@@ -39,5 +39,8 @@ echo "== Keras model.fit / DistributedGradientTape / torch frontend / one plain 
 "$PY" benchmarks/keras_fit.py --json "$OUT/keras_fit.json"
 echo "== control plane, simulated 2-512 ranks"
 "$PY" benchmarks/control_plane.py --json "$OUT/control_plane.json"
+echo "== a one-rank job: steady state on one member, and every call through the coordinator"
+"$PY" benchmarks/one_rank.py --json "$OUT/one_rank.json"
+HVDLITE_STEADY_STATE=0 "$PY" benchmarks/one_rank.py --json "$OUT/one_rank_coordinator.json"
 echo "== GPU (NCCL), or its CPU fallback without a GPU"
 PYTHON="$PY" bash benchmarks/gpu.sh "$OUT"
