@@ -155,3 +155,45 @@ def test_bucket_planner_aligns_passes_to_waits_and_keeps_a_plan_per_pass_shape()
     got = [plan.observe(0, name, n, t, boundary=(i == 0)) for i, (name, n) in enumerate(step)]
     assert got == [(True, 0), (False, -1), (False, 1), (False, -1)], got
     assert plan.observe(0, "loss", 4, t, boundary=True) == (True, -1)
+
+
+def test_engine_handle_latch_wakes_every_waiter_once_and_times_out_cleanly():
+    """engine.Handle completes through a flag and a held lock (cheaper than an Event): every
+    waiter wakes, a timeout leaves the handle usable, a late failure changes nothing."""
+    import threading
+    import time
+
+    import pytest
+
+    from hvdlite.common.engine import Entry, Handle
+    from hvdlite.common.messages import Request
+
+    entries = [Entry(Request(rank=0, name=f"t{i}", type=ALLREDUCE)) for i in range(2)]
+    h = Handle(entries)
+    assert not h.done()
+    with pytest.raises(TimeoutError):
+        h.wait(timeout=0)
+    with pytest.raises(TimeoutError):
+        h.wait(timeout=0.05)
+    fired, got = [], []
+    h.add_callback(lambda: fired.append(1))
+    waiters = [threading.Thread(target=lambda: got.append(h.wait(timeout=10)))
+               for _ in range(4)]
+    for t in waiters:
+        t.start()
+    time.sleep(0.05)
+    for i, e in enumerate(entries):
+        e.result = i
+        h._complete_one()
+    for t in waiters:
+        t.join(10)
+    assert got == [[0, 1]] * 4 and h.done() and fired == [1]
+    h._fail("late")                       # already complete: no error, no second callback
+    assert h.error is None and fired == [1] and h.wait(timeout=0) == [0, 1]
+    h.add_callback(lambda: fired.append(2))   # after completion: at once
+    assert fired == [1, 2]
+    failed = Handle([Entry(Request(rank=0, name="f", type=ALLREDUCE))])
+    failed._fail("boom")
+    from hvdlite.common.exceptions import HorovodInternalError
+    with pytest.raises(HorovodInternalError, match="boom"):
+        failed.wait(timeout=1)

@@ -196,13 +196,17 @@ def _requests(kind: str, rtype: int, buffers: Sequence[Buffer], names: Names, pr
     me = _state().rank
     return [Request(rank=me, name=nm, type=rtype, dtype=dtype_name(b, reduce),
                     shape=tuple(b.shape),
-                    device=b.device.index if b.device.type == "cuda" else -1,
+                    device=b.get_device() if b.is_cuda else -1,
                     process_set_id=sid, cacheable=cache, group=gname, group_size=gsize, **kw)
             for b, nm in zip(buffers, wire)]
 
 
 def _contiguous(b: Buffer) -> Buffer:
-    b = b.detach()
+    # Detached so the engine's threads never record autograd history (nor trip over a view
+    # of a leaf that needs gradients); a tensor that has none is used as it is (detach() is
+    # ~0.35 us, a noticeable part of a small collective's cost).
+    if b.requires_grad or b._is_view():
+        b = b.detach()
     return b if b.is_contiguous() else b.contiguous()
 
 

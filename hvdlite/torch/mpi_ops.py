@@ -103,7 +103,8 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     """Asynchronous in-place allreduce."""
     op = handle_average_backwards_compatibility(op, average)
     _check_inplace(tensor)
-    return _allreduce_async([tensor], [tensor.detach()], name, op, prescale_factor,
+    t = tensor.detach()                # one object as input and output: reduced in place
+    return _allreduce_async([t], [t], name, op, prescale_factor,
                             postscale_factor, process_set, grouped=False)
 
 
