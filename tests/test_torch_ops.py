@@ -141,10 +141,12 @@ def lifecycle_run():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", ["before_init", "shutdown_init_cycles", "public_handle"])
+@pytest.mark.parametrize("name", ["before_init", "shutdown_init_cycles", "public_handle",
+                                  "results_die_with_the_caller"])
 def test_lifecycle(lifecycle_run, name):
     """ValueError('Horovod has not been initialized; use hvd.init().') before init and after
     shutdown; shutdown() then init() again, three times, with collectives in every cycle; the op
-    layer's public handle (wait with a timeout, test, callbacks)."""
+    layer's public handle (wait with a timeout, test, callbacks); a finished collective's
+    tensors are freed as soon as the caller drops them (no reference cycle)."""
     lifecycle_run.check(name)
     lifecycle_run.finished()
