@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import hvdlite.torch as hvd
+from bench_util import hvdlite_async_all, many_small_tensors
 from hvdlite.common import basics, rendezvous
 
 
@@ -129,16 +130,10 @@ def main():
         nbytes *= 4
 
     # Many small tensors: fusion against one-by-one on the raw transport.
-    g = torch.Generator().manual_seed(0)
-    sizes = [int(s) for s in torch.randint(1 << 10, 64 << 10, (100,), generator=g)]  # floats
-    tensors = [torch.ones(s) for s in sizes]
+    tensors = many_small_tensors()
+    sizes = [t.numel() for t in tensors]
     total = sum(sizes) * 4
-
-    def hv_many():
-        handles = [hvd.allreduce_async_(t, name=f"many.{i}", op=hvd.Sum)
-                   for i, t in enumerate(tensors)]
-        for h in handles:
-            hvd.synchronize(h)
+    hv_many = hvdlite_async_all(hvd, tensors, "many")
 
     def raw_many():
         for t in tensors:

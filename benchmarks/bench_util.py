@@ -25,3 +25,21 @@ def sgd_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor
         F.cross_entropy(model(x), y).backward()
         opt.step()
     return step
+
+
+def many_small_tensors(n: int = 100, seed: int = 0) -> list[torch.Tensor]:
+    """The fusion benchmarks' tensors: n float32 tensors of 4-256 KiB, the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [int(s) for s in torch.randint(1 << 10, 64 << 10, (n,), generator=g)]
+    return [torch.ones(s) for s in sizes]
+
+
+def hvdlite_async_all(hvd, tensors: list[torch.Tensor], prefix: str) -> Callable[[], None]:
+    """Submit an in-place Sum allreduce of every tensor, then wait for them all: how an
+    optimizer's hooks use hvdlite, and what fusion batches."""
+    def run() -> None:
+        handles = [hvd.allreduce_async_(t, name=f"{prefix}.{i}", op=hvd.Sum)
+                   for i, t in enumerate(tensors)]
+        for h in handles:
+            hvd.synchronize(h)
+    return run

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import hvdlite.torch as hvd
+from bench_util import hvdlite_async_all, many_small_tensors
 from hvdlite.common import basics
 
 
@@ -58,15 +59,8 @@ def main() -> None:
 
         rows.append(_rounds(f"allreduce_ {nbytes} B", hv, raw, n, args.rounds))
 
-    g = torch.Generator().manual_seed(0)
-    sizes = [int(s) for s in torch.randint(1 << 10, 64 << 10, (100,), generator=g)]
-    tensors = [torch.ones(s) for s in sizes]
-
-    def hv_many():
-        handles = [hvd.allreduce_async_(t, name=f"one.many.{i}", op=hvd.Sum)
-                   for i, t in enumerate(tensors)]
-        for h in handles:
-            hvd.synchronize(h)
+    tensors = many_small_tensors()
+    hv_many = hvdlite_async_all(hvd, tensors, "one.many")
 
     def raw_many():
         works = [pg.allreduce([t]) for t in tensors]
