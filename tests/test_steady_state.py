@@ -108,3 +108,19 @@ def test_steady_state_one_member_set(np):
 @pytest.mark.timeout(180)
 def test_steady_state_one_member_set_mpi():
     _all_checks(_mpi("steady_solo.py", 2), SOLO_CHECKS)
+
+
+@pytest.mark.timeout(120)
+def test_one_rank_benchmark_runs():
+    """benchmarks/one_rank.py (README's one-rank table) runs and reports the steady state on;
+    its timings are not judged here."""
+    import subprocess
+    import sys
+
+    from util import ROOT
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "one_rank.py"), "--rounds",
+                           "1"], capture_output=True, text=True, timeout=100, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "steady state on" in proc.stdout, proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if "allreduce_" in line]
+    assert len(rows) == 3, proc.stdout
