@@ -110,7 +110,7 @@ class Handle:
             # kept by the entries until the caller has them, so the cycle is broken too: an
             # allreduced gradient then dies with the caller's last reference, at zero_grad(),
             # instead of at the next garbage collection, and backward reuses its memory
-            # (kept alive, every step's gradients took fresh pages: ~400-2,000 page faults
+            # (kept alive, every step's gradients took fresh pages: a few hundred page faults
             # per step on the CNN of benchmarks/train_step.py). Nothing reaches a finished
             # entry through its handle any more: entries leave the engine's tables before
             # they complete.
