@@ -31,6 +31,18 @@ def fail(msg: str) -> None:
     _soft.append(msg)
 
 
+def wait_until(condition, timeout: float, pause: float = 0.001) -> bool:
+    """Poll `condition()` until it is true or `timeout` seconds pass; its last value. For what
+    another thread finishes just after the caller saw its result (a completion callback, a
+    worker letting go of a tensor): bounded, so a check never hangs."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            return bool(condition())
+        time.sleep(pause)
+    return True
+
+
 def expect_raises(exc_types, fn, what: str, match=None):
     """`fn()` must raise one of `exc_types` with `match` (a string, or each of a list of
     strings) in its message. Returns the exception."""

@@ -13,7 +13,7 @@ import torch
 
 import hvdlite.torch as hvd
 from ops_common import (ALL_DTYPES, REDUCE_OPS, SHAPES, all_inputs, check, expect_raises,
-                        finish, gen, log, my_rows, reduce_ref, same)
+                        finish, gen, log, my_rows, reduce_ref, same, wait_until)
 
 TMP = sys.argv[1]
 hvd.init()
@@ -430,10 +430,7 @@ def poll_synchronize():
         handles.append(h)
     assert polled_false, "hvd.poll() was never False right after submission: not async?"
     for i, (h, r) in enumerate(zip(handles, refs)):
-        deadline = time.monotonic() + 30
-        while not hvd.poll(h):
-            assert time.monotonic() < deadline, f"poll never became True for handle {i}"
-            time.sleep(0.001)
+        assert wait_until(lambda: hvd.poll(h), 30), f"poll never became True for handle {i}"
         assert isinstance(hvd.poll(h), bool)
         t0 = time.monotonic()
         y = hvd.synchronize(h)

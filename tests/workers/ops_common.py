@@ -13,7 +13,8 @@ import zlib
 import torch
 
 import hvdlite.torch as hvd
-from harness import FAILURES, check, expect_raises, fail, finish, log  # noqa: F401  (one harness)
+from harness import (FAILURES, check, expect_raises, fail, finish, log,  # noqa: F401  (one harness)
+                     wait_until)
 
 ALL_DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
               torch.bfloat16, torch.float32, torch.float64]

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 import hvdlite.torch as hvd
-from ops_common import all_inputs, check, expect_raises, finish, gen, reduce_ref, same
+from ops_common import (all_inputs, check, expect_raises, finish, gen, reduce_ref, same,
+                        wait_until)
 
 NOT_INIT = "Horovod has not been initialized; use hvd.init()."
 
@@ -62,8 +63,6 @@ def cycles():
 def public_handle():
     """The op layer's public handle: wait(timeout) raises TimeoutError and stays usable, test()
     does not block, callbacks fire once, a second wait() returns the same result."""
-    import time
-
     from hvdlite.common import ops
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
@@ -86,9 +85,7 @@ def public_handle():
         done, (res,) = h.test()
         if not done or res is not out:
             raise AssertionError("test() after completion")
-        deadline = time.monotonic() + 10
-        while not fired and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: fired, 10, pause=0.01)
         if fired != [True]:
             raise AssertionError(f"done callback: {fired}")
         late = []
@@ -114,7 +111,6 @@ def results_die_with_the_caller():
     optimizer's zero_grad), the tensor is freed at once, not at the next garbage collection,
     so the next step's gradients reuse its memory instead of fresh pages."""
     import gc
-    import time
     import weakref
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
@@ -135,9 +131,7 @@ def results_die_with_the_caller():
                 del t, out
                 # An engine thread may still be returning from the collective (its locals
                 # hold the entries for a few us after the caller woke): poll, never collect.
-                deadline = time.monotonic() + 5
-                while any(w() is not None for w in alive) and time.monotonic() < deadline:
-                    time.sleep(0.001)
+                wait_until(lambda: all(w() is None for w in alive), 5)
                 left = [w for w in alive if w() is not None]
                 if left:
                     raise AssertionError(f"{name}, step {step}: {len(left)} tensor(s) still "

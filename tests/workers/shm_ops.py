@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import hvdlite.torch as hvd  # noqa: E402
 from hvdlite.common import basics  # noqa: E402
 from ops_common import (all_inputs, check, close, fail, finish, gen, my_rows,  # noqa: E402
-                        reduce_ref, same)
+                        reduce_ref, same, wait_until)
 
 pair = hvd.ProcessSet([0, 2])
 hvd.init(process_sets=[pair])
@@ -138,7 +138,6 @@ def releases_buffers():
     last one's views until the next collective, which pinned a step's last gradients and
     output buffers (the TensorFlow frontend's buffer reuse and TensorFlow's allocator then got
     fresh memory every step). Storage use counts must return to what they were."""
-    import time
     from hvdlite.common import ops as cops
 
     def count(t):
@@ -156,9 +155,8 @@ def releases_buffers():
         for k, o in enumerate(outs):
             if not torch.equal(o, torch.full_like(o, float(want[k]))):
                 fail(f"{names[k]}: wrong result {o[:3].tolist()}, want {want[k]}")
-        deadline = time.monotonic() + 5.0       # the worker thread finishes just after us
-        while [count(t) for t in ins + outs] != before and time.monotonic() < deadline:
-            time.sleep(0.01)
+        # The worker thread finishes just after us.
+        wait_until(lambda: [count(t) for t in ins + outs] == before, 5.0, pause=0.01)
         after = [count(t) for t in ins + outs]
         if after != before:
             fail(f"{'fused' if fused else 'single'} allreduce: storage use counts {after} "
