@@ -14,13 +14,12 @@ import argparse
 import datetime
 import json
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 import hvdlite.torch as hvd
-from bench_util import hvdlite_async_all, many_small_tensors
+from bench_util import hvdlite_async_all, many_small_tensors, timed
 from hvdlite.common import basics, rendezvous
 
 
@@ -36,13 +35,6 @@ def parse_args():
 
 def iters_for(nbytes: int) -> int:
     return max(5, min(200, (64 << 20) // max(nbytes, 1) // 4))
-
-
-def timed(fn, n: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n
 
 
 class RawGloo:

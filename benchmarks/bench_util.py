@@ -3,6 +3,7 @@ directory is on sys.path)."""
 from __future__ import annotations
 
 import socket
+import time
 from typing import Callable
 
 import torch
@@ -25,6 +26,14 @@ def sgd_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor
         F.cross_entropy(model(x), y).backward()
         opt.step()
     return step
+
+
+def timed(fn: Callable[[], None], n: int) -> float:
+    """Mean seconds per call of `fn` over `n` back-to-back calls (one round of a benchmark)."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
 
 
 def many_small_tensors(n: int = 100, seed: int = 0) -> list[torch.Tensor]:

@@ -16,21 +16,13 @@ import argparse
 import datetime
 import json
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 import hvdlite.torch as hvd
-from bench_util import hvdlite_async_all, many_small_tensors
+from bench_util import hvdlite_async_all, many_small_tensors, timed
 from hvdlite.common import basics
-
-
-def timed(fn, n: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n
 
 
 def main() -> None:
