@@ -67,3 +67,23 @@ def test_horovod_style_training_script(np):
     for lines in results:
         assert len(lines) == 1 and lines[0].startswith(f"TRAIN OK ranks={np} "), out
     assert len({lines[0] for lines in results}) == 1, out
+
+
+@pytest.mark.timeout(150)
+def test_train_step_benchmark_runs(tmp_path):
+    """benchmarks/train_step.py (README's training-step table) runs all four contenders on
+    2 ranks and writes its JSON; its timings are not judged here."""
+    import json
+
+    from util import ROOT
+    out = tmp_path / "ts.json"
+    proc = hvdlite_run(ROOT / "benchmarks" / "train_step.py", np=2,
+                       args=["--models", "mlp", "--rounds", "1", "--steps", "2", "--warmup", "1",
+                             "--json", str(out)], timeout=120)
+    text = "\n".join(rank_lines(proc.stdout, 0))
+    assert "serial/DDP" in text and "mlp" in text, text
+    r = json.loads(out.read_text())["results"]["mlp"]
+    for key in ("hvdlite_median_ms", "ddp_median_ms", "local_median_ms", "serial_median_ms"):
+        assert r[key] > 0, r
+    # One timing per round and contender (--rounds 1), alternating in one run.
+    assert len(r["serial_s"]) == len(r["local_s"]) == 1, r
