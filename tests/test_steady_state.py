@@ -110,6 +110,15 @@ def test_steady_state_one_member_set_mpi():
     _all_checks(_mpi("steady_solo.py", 2), SOLO_CHECKS)
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["auto", "explicit"])
+def test_one_bucket_when_ranks_outnumber_cores(mode):
+    """Ranks pinned to one core between them send a step's gradients as one bucket; sizes the
+    user set are kept (workers/steady_one_bucket.py)."""
+    env = {"HVDLITE_FIRST_BUCKET_MB": "1"} if mode == "explicit" else None
+    Run("steady_one_bucket.py", 2, args=[mode], env=env, timeout=120).check(f"buckets_{mode}")
+
+
 @pytest.mark.timeout(120)
 def test_one_rank_benchmark_runs():
     """benchmarks/one_rank.py (README's one-rank table) runs and reports the steady state on;

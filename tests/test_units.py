@@ -136,6 +136,24 @@ def test_bucket_planner_cuts_the_last_pass_like_ddp_and_releases_complete_bucket
     assert not BucketPlanner(0, mb).enabled
 
 
+def test_bucket_sizes_follow_how_many_ranks_share_the_cores():
+    """More ranks than cores: one bucket per pass, so every gradient of a step is held until
+    the last one; otherwise, or when the user chose sizes (or turned buckets off), unchanged."""
+    from hvdlite.common.buckets import WHOLE_PASS, BucketPlanner, sizes_for_host
+    mb = 1 << 20
+    assert sizes_for_host(25 * mb, mb, False, 2, 2) == (25 * mb, mb)
+    assert sizes_for_host(25 * mb, mb, False, 1, 2) == (25 * mb, mb)
+    assert sizes_for_host(25 * mb, mb, False, 4, 2) == (WHOLE_PASS, WHOLE_PASS)
+    assert sizes_for_host(25 * mb, mb, True, 4, 2) == (25 * mb, mb)
+    assert sizes_for_host(0, mb, False, 4, 2) == (0, mb)
+    plan = BucketPlanner(*sizes_for_host(25 * mb, mb, False, 4, 2))
+    step = [("g3", 300 * mb), ("g2", mb), ("g1", 3 * mb), ("g0", 2 * mb)]
+    for name, n in step:                               # first pass: learn it
+        plan.observe(0, name, n, 0.0)
+    got = [plan.observe(0, name, n, 1.0)[1] for name, n in step]
+    assert got == [0, 0, 0, -1]                        # all held for the last, one bucket
+
+
 def test_bucket_planner_aligns_passes_to_waits_and_keeps_a_plan_per_pass_shape():
     """Learning began mid-step (g1, g0 | g3, g2, ...): without the wait boundary every bucket
     straddled two steps and never completed. A metric allreduce between steps keeps its own

@@ -6,6 +6,7 @@ chosen in `backends.select`.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import socket
@@ -14,7 +15,7 @@ import threading
 import time
 from typing import Optional
 
-from . import config, flight_recorder, hierarchical, logs, naming, rendezvous, threads
+from . import buckets, config, flight_recorder, hierarchical, logs, naming, rendezvous, threads
 from .backends import mpi as mpi_backend
 from .backends import nccl as nccl_backend
 from .backends import select
@@ -217,11 +218,25 @@ def _join(state: "_State", ident, world, settings: Settings, dynamic: bool, stat
                                   rank=ident.rank, timeout_s=settings.gloo_timeout_s)
     if settings.hierarchical_allreduce:  # the one hook: the global set's CPU communicator
         factory = hierarchical.wrap_factory(factory, ident.rank, topo["hosts"], ident.size)
+    settings = _settings_for_host(settings, topo.get("local_size", 1))
     state.engine = Engine(rank=ident.rank, size=ident.size, settings=settings,
                           channel=channel, comm_factory=factory, set_ranks=set_ranks,
                           timeline=timeline, peer_listener=peer_listener, key=key,
                           peers=topo.get("peers"), peer_nonce=peer_nonce)
     state.transport = transport
+
+
+def _settings_for_host(settings: Settings, local_ranks: int) -> Settings:
+    """The engine's settings on this host: bucket sizes follow how many ranks share its cores
+    (buckets.sizes_for_host says why). A copy, so an elastic re-init decides afresh."""
+    cores = threads.usable_cores()
+    cap, first = buckets.sizes_for_host(settings.bucket_cap_bytes, settings.first_bucket_bytes,
+                                        settings.buckets_explicit, local_ranks, cores)
+    if (cap, first) == (settings.bucket_cap_bytes, settings.first_bucket_bytes):
+        return settings
+    log.info("%d ranks share %d cores on this host: a step's gradients go as one bucket (set "
+             "HVDLITE_BUCKET_CAP_MB / HVDLITE_FIRST_BUCKET_MB to choose)", local_ranks, cores)
+    return dataclasses.replace(settings, bucket_cap_bytes=cap, first_bucket_bytes=first)
 
 
 def _share_address(ident, store, prefix: str, port, settings) -> tuple[str, int]:

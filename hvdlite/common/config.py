@@ -53,7 +53,9 @@ VARIABLES: tuple[Var, ...] = (
        "the ranks; peers: always messages", _L),
     _v("BUCKET_CAP_MB", "float", 25.0, "steady-state gradient buckets: an allreduce waits until "
        "its bucket (about this many MB, in the order the last step submitted them) is complete; "
-       "0 sends each as soon as every rank has it (Horovod's behaviour)", _L),
+       "0 sends each as soon as every rank has it (Horovod's behaviour). With neither this nor "
+       "FIRST_BUCKET_MB set, a host running more ranks than cores sends a step's gradients as "
+       "one bucket", _L),
     _v("FIRST_BUCKET_MB", "float", 1.0, "size of the first bucket of a step (small, so transfer "
        "starts early)", _L),
     _v("MPI_WAIT", "str", "auto", "`spin`, `yield` or `auto`: how MPI waits use the core; auto "
@@ -287,6 +289,8 @@ class Settings:
     # Gradient buckets in the steady state (buckets.py), torch DDP's defaults; 0 turns them off.
     bucket_cap_bytes: int = 25 * 1024 * 1024
     first_bucket_bytes: int = 1024 * 1024
+    # Whether the user chose the bucket sizes (else buckets.sizes_for_host may change them).
+    buckets_explicit: bool = False
     stall_check_disable: bool = False
     stall_warning_s: float = 60.0
     # Horovod never shuts down on a stall (0). A silent hang is the top complaint of its users, so
@@ -328,6 +332,7 @@ class Settings:
                              f"connections)")
         s.bucket_cap_bytes = int(env_float("BUCKET_CAP_MB", 25.0) * 1024 * 1024)
         s.first_bucket_bytes = int(env_float("FIRST_BUCKET_MB", 1.0) * 1024 * 1024)
+        s.buckets_explicit = env("BUCKET_CAP_MB") is not None or env("FIRST_BUCKET_MB") is not None
         s.stall_check_disable = env_bool("STALL_CHECK_DISABLE", False)
         s.stall_warning_s = env_float("STALL_CHECK_TIME_SECONDS", s.stall_warning_s)
         s.stall_shutdown_s = env_float("STALL_SHUTDOWN_TIME_SECONDS", s.stall_shutdown_s)
