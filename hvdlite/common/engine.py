@@ -452,6 +452,10 @@ class Engine:
         if threading.current_thread() is not self.thread:
             self.thread.join(timeout)
             self.finisher.join(timeout)
+            waiter = self._waiter
+            if waiter is not None:        # stopped by the background thread as it ended
+                waiter.stop()
+                waiter.join(timeout)
         for comm in self.comms.values():
             comm.close()
         self.comms.clear()

@@ -300,6 +300,17 @@ class RoundWaiter:
             self._stopped = True
             self._cond.notify()
 
+    def join(self, timeout: float) -> None:
+        """Wait for the thread to end after stop().
+
+        Why: it is a daemon thread, and one still running when the interpreter finalizes
+        aborts the process: freeing a tensor makes it give up the GIL, a daemon thread that
+        asks for the GIL back during finalization is ended with pthread_exit, and that unwinds
+        through torch's C++ frames into std::terminate ("terminate called without an active
+        exception", seen at the end of MPI jobs)."""
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
+
     def _run(self) -> None:
         pause = 0.0
         while True:
@@ -327,6 +338,8 @@ class RoundWaiter:
             elif not dropped:
                 time.sleep(pause)
                 pause = min(pause * 2 or 10e-6, self.POLL_MAX_S)
+            # Nothing of these rounds stays referenced while this thread waits for the next.
+            rounds = finished = dropped = st = rnd = None
 
 
 def build_responses(cache, set_id: int, bits: list[int], threshold: int,

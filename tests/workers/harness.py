@@ -102,4 +102,19 @@ def finish() -> None:
     log(f"FINISHED {_state['checks']} checks, {len(FAILURES)} failed: {FAILURES}")
 
 
-__all__ = ["FAILURES", "log", "fail", "expect_raises", "check", "finish"]
+def no_threads_left() -> None:
+    """After hvd.shutdown(): no hvdlite thread may still run, else this rank exits 3.
+
+    Why: a daemon thread still running while the interpreter finalizes can abort the process
+    ("terminate called without an active exception": hvdlite.common.steady.RoundWaiter.join).
+    That abort came only when the thread was freeing a tensor at the wrong moment; a thread
+    left at all is the bug, and this names it."""
+    import os
+    import threading
+    left = sorted(t.name for t in threading.enumerate() if t.name.startswith("hvdlite-"))
+    if left:
+        log(f"THREADS LEFT AFTER SHUTDOWN: {left}")
+        os._exit(3)
+
+
+__all__ = ["FAILURES", "log", "fail", "expect_raises", "check", "finish", "no_threads_left"]

@@ -13,7 +13,8 @@ import torch
 
 import hvdlite.torch as hvd
 from ops_common import (ALL_DTYPES, REDUCE_OPS, SHAPES, all_inputs, check, expect_raises,
-                        finish, gen, log, my_rows, reduce_ref, same, wait_until)
+                        finish, gen, log, my_rows, no_threads_left, reduce_ref, same,
+                        wait_until)
 
 TMP = sys.argv[1]
 hvd.init()
@@ -481,3 +482,4 @@ check("poll_synchronize", poll_synchronize)
 check("barrier", barrier)
 finish()
 hvd.shutdown()
+no_threads_left()

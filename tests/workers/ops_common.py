@@ -14,7 +14,7 @@ import torch
 
 import hvdlite.torch as hvd
 from harness import (FAILURES, check, expect_raises, fail, finish, log,  # noqa: F401  (one harness)
-                     wait_until)
+                     no_threads_left, wait_until)
 
 ALL_DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
               torch.bfloat16, torch.float32, torch.float64]

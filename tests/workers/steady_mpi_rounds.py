@@ -20,7 +20,8 @@ import torch
 
 import hvdlite.torch as hvd
 from hvdlite.common import basics
-from ops_common import check, fail, finish, gen, same, shape_mismatch, steady_delta
+from ops_common import (check, fail, finish, gen, no_threads_left, same, shape_mismatch,
+                        steady_delta)
 
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
@@ -96,3 +97,4 @@ check("changed_shape", changed_shape)
 print("COUNTERS", counters(), flush=True)
 finish()
 hvd.shutdown()
+no_threads_left()

@@ -14,7 +14,8 @@ import torch
 
 import hvdlite.torch as hvd
 from hvdlite.common import basics
-from ops_common import check, fail, finish, gen, same, shape_mismatch, steady_delta
+from ops_common import (check, fail, finish, gen, no_threads_left, same, shape_mismatch,
+                        steady_delta)
 
 pair = hvd.ProcessSet([0, 1])
 hvd.init(process_sets=[pair])
@@ -159,3 +160,4 @@ check("process_set", process_set)
 print("COUNTERS", counters(), flush=True)
 finish()
 hvd.shutdown()
+no_threads_left()
