@@ -175,6 +175,41 @@ def test_bucket_planner_aligns_passes_to_waits_and_keeps_a_plan_per_pass_shape()
     assert plan.observe(0, "loss", 4, t, boundary=True) == (True, -1)
 
 
+def test_bucket_planner_reuses_a_repeated_pass_and_recuts_a_changed_one():
+    """A pass equal to the one its plan was cut from keeps that plan (no recut per step); a
+    changed size, order or bucket limit (the autotuner's) cuts a new one."""
+    from hvdlite.common.buckets import BucketPlanner
+    mb = 1 << 20
+    plan = BucketPlanner(cap_bytes=4 * mb, first_bytes=mb)
+    step = [("g3", mb // 2), ("g2", mb), ("g1", 3 * mb), ("g0", 2 * mb)]
+
+    def run(steps, t0=0.0):
+        got = []
+        for name, n in steps:
+            got.append(plan.observe(0, name, n, t0))
+        return got
+
+    run(step)
+    run(step)                                          # cuts the first pass's plan
+    learned = plan._sets[0].plans["g3"]
+    for k in range(3):
+        assert run(step) == [(True, 0), (False, -1), (False, 1), (False, -1)]
+        assert plan._sets[0].plans["g3"] is learned    # reused, not rebuilt
+    changed = [("g3", mb // 2), ("g2", mb), ("g1", 5 * mb), ("g0", 2 * mb)]
+    run(changed)                                       # cuts the repeated pass: still equal
+    run(step)                                          # cuts `changed`: a new plan
+    assert plan._sets[0].plans["g3"] is not learned
+    assert plan._sets[0].plans["g3"].sizes == [2, 1, 1]
+    run(step)                                          # cuts `step` again
+    plan.cap_bytes = 64 * mb                           # the autotuner changed the cap
+    run(step)                                          # equal pass, other limits: recut
+    assert plan._sets[0].plans["g3"].sizes == [2, 2]
+    assert run(step)[0] == (True, 0)
+    # A single tensor called again and again (a synchronous allreduce in a loop).
+    for _ in range(3):
+        assert plan.observe(0, "loss", 4, 0.0, boundary=True)[1] == -1
+
+
 def test_engine_handle_latch_wakes_every_waiter_once_and_times_out_cleanly():
     """engine.Handle completes through a flag and a held lock (cheaper than an Event): every
     waiter wakes, a timeout leaves the handle usable, a late failure changes nothing."""

@@ -43,6 +43,8 @@ class _Plan:
     bucket_of: dict = field(default_factory=dict)    # name -> bucket index
     sizes: list = field(default_factory=list)        # names per bucket
     span_s: float = 0.0                              # first to last submission
+    seen: dict = field(default_factory=dict)         # the pass it was cut from: name -> nbytes
+    limits: tuple = ()                               # (first_bytes, cap_bytes) it was cut with
 
 
 @dataclass
@@ -100,7 +102,9 @@ class BucketPlanner:
         just ended (anything still held should go), bucket is the index of the name's bucket if
         it is held back for it, else -1 (release now)."""
         now = time.monotonic() if now is None else now
-        plan = self._sets.setdefault(set_id, _SetPlan())
+        plan = self._sets.get(set_id)
+        if plan is None:                 # (setdefault built a _SetPlan on every call)
+            plan = self._sets[set_id] = _SetPlan()
         new_pass = name in plan.current or (boundary and bool(plan.current))
         if new_pass:
             self._cut(plan)
@@ -133,7 +137,21 @@ class BucketPlanner:
     def _cut(self, plan: _SetPlan) -> None:
         """The pass in `current` is complete: keep its buckets under its first name, DDP's way
         (in gradient order, the first bucket from first_bytes on, then about cap_bytes each)."""
-        learned = _Plan(span_s=plan.last_seen - plan.first_seen)
+        span = plan.last_seen - plan.first_seen
+        limits = (self.first_bytes, self.cap_bytes)      # the autotuner may change them
+        first = next(iter(plan.current))
+        active = plan.active
+        if active.limits == limits and active.seen == plan.current \
+                and list(active.seen) == list(plan.current):
+            # The same pass as the one its plan was cut from (every training step, every
+            # repeated call): the same buckets. Recutting built a plan per call, ~4 us of a
+            # small synchronous allreduce.
+            active.span_s = span
+            plan.plans.pop(first, None)
+            plan.plans[first] = active
+            plan.current = {}
+            return
+        learned = _Plan(span_s=span, seen=plan.current, limits=limits)
         limit, filled, count = max(self.first_bytes, 1), 0, 0
         for name, nbytes in plan.current.items():
             learned.bucket_of[name] = len(learned.sizes)
@@ -144,7 +162,6 @@ class BucketPlanner:
                 limit, filled, count = self.cap_bytes, 0, 0
         if count:
             learned.sizes.append(count)
-        first = next(iter(plan.current))
         plan.plans.pop(first, None)
         plan.plans[first] = learned                  # most recent last: evict the oldest
         while len(plan.plans) > self.MAX_PLANS:

@@ -132,6 +132,8 @@ class Handle:
 
     def _fire(self) -> None:
         """Run the completion callbacks (on the engine's thread that completed the handle)."""
+        if not self.callbacks:     # none were added before completion (_set is final now)
+            return
         with self._lock:
             callbacks, self.callbacks = self.callbacks, []
         for cb in callbacks:
@@ -241,6 +243,7 @@ class Engine:
         self._in_transport: dict[int, list] = {}
         self._transport_seq = 0
         self._idle = threading.Condition(self._lock)
+        self._idle_waiters = 0     # threads in _wait_transport_idle (notify only for them)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._sel = selectors.DefaultSelector()
@@ -325,7 +328,7 @@ class Engine:
             # at once instead of waking the background thread to do it (one thread hop less).
             direct = not (self._inflight or self._in_transport or self._stopping
                           or self.steady)
-            tags = dict(self.epochs)
+            tags = dict(self.epochs) if direct else None
             self._reserved.update(keys)
             handle._release = lambda: self._unreserve(keys)
             if self.steady and self.buckets.enabled:
@@ -1223,7 +1226,8 @@ class Engine:
             tl.end_op(resp.names)
         with self._lock:
             entries = self._in_transport.pop(seq, [])
-            self._idle.notify_all()
+            if self._idle_waiters:
+                self._idle.notify_all()
         for e in entries:
             RECORDER.finished(e.flight)
             e.handle._complete_one()
@@ -1240,8 +1244,12 @@ class Engine:
         """Block until every launched collective has finished (before tearing a communicator
         down); a failure ends the wait too."""
         with self._lock:
-            while self._in_transport and self._closed is None:
-                self._idle.wait(0.1)
+            self._idle_waiters += 1
+            try:
+                while self._in_transport and self._closed is None:
+                    self._idle.wait(0.1)
+            finally:
+                self._idle_waiters -= 1
 
     def _report_failure(self, message: str) -> None:
         try:

@@ -30,8 +30,14 @@ def available() -> bool:
     return MPI is not None
 
 
-def _ops():
-    return {SUM: MPI.SUM, MIN: MPI.MIN, MAX: MPI.MAX, PRODUCT: MPI.PROD}
+_OPS: dict = {}
+
+
+def _ops() -> dict:
+    """hvdlite's reduce ops -> MPI's (built once: a dict per call cost ~1 us)."""
+    if not _OPS:
+        _OPS.update({SUM: MPI.SUM, MIN: MPI.MIN, MAX: MPI.MAX, PRODUCT: MPI.PROD})
+    return _OPS
 
 
 def _local_ranks(default: int) -> int:
@@ -108,6 +114,12 @@ def _free(comm) -> None:
             pass
 
 
+# A round's last word: all ones while the rank does not ask for the fallback (BAND keeps it
+# all ones only if every rank does not).
+_NO_FALLBACK = b"\xff" * 8
+_FALLBACK = b"\0" * 8
+
+
 class Agreement:
     """The steady state's rounds (steady.py) as one small MPI allreduce each.
 
@@ -125,16 +137,20 @@ class Agreement:
 
     def __init__(self, comm):
         self.comm = comm.Dup()
-        self._buf = np.zeros(0, dtype=np.uint64)    # one round at a time per set: reused
+        # One round at a time per set: the buffer is reused, and written and read through a
+        # byte view (numpy's frombuffer and slice assignment cost ~4 us a round).
+        self._buf = np.zeros(0, dtype=np.uint64)
+        self._bytes = memoryview(self._buf).cast("B")
 
     def start(self, bits: int, fallback: bool, width: int) -> "AgreementRequest":
         nbytes = (max(width, 1) + 63) // 64 * 8
-        data = bits.to_bytes(nbytes, "little") + (b"\0" * 8 if fallback else b"\xff" * 8)
-        if self._buf.nbytes != len(data):
-            self._buf = np.empty(len(data) // 8, dtype=np.uint64)
-        buf = self._buf
-        buf.view(np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
-        return AgreementRequest(self.comm.Iallreduce(MPI.IN_PLACE, buf, MPI.BAND), buf)
+        if self._buf.nbytes != nbytes + 8:
+            self._buf = np.empty(nbytes // 8 + 1, dtype=np.uint64)
+            self._bytes = memoryview(self._buf).cast("B")
+        view = self._bytes
+        view[:nbytes] = bits.to_bytes(nbytes, "little")
+        view[nbytes:] = _FALLBACK if fallback else _NO_FALLBACK
+        return AgreementRequest(self.comm.Iallreduce(MPI.IN_PLACE, self._buf, MPI.BAND), view)
 
     def close(self) -> None:
         _free(self.comm)
@@ -144,18 +160,17 @@ class Agreement:
 class AgreementRequest:
     """One round in flight: `test()` polls (one thread at a time), `value()` decodes it."""
 
-    __slots__ = ("req", "buf")
+    __slots__ = ("req", "view")
 
-    def __init__(self, req, buf: np.ndarray):
-        self.req, self.buf = req, buf
+    def __init__(self, req, view: memoryview):
+        self.req, self.view = req, view
 
     def test(self) -> bool:
         return bool(self.req.Test())
 
     def value(self) -> tuple[int, bool]:
-        words = self.buf[:-1]
-        return (int.from_bytes(words.tobytes(), "little"),
-                int(self.buf[-1]) != 0xFFFFFFFFFFFFFFFF)
+        view = self.view
+        return int.from_bytes(view[:-8], "little"), view[-8:] != _NO_FALLBACK
 
 
 class MPICommunicator:
