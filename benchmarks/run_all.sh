@@ -28,6 +28,8 @@ if [ -x .venv/bin/mpiexec ]; then
   echo "== allreduce, 2 ranks, mpi"
   .venv/bin/mpiexec -n 2 "$PY" benchmarks/allreduce.py \
       --json "$OUT/allreduce_mpi.json" --plot "$OUT/allreduce_mpi.png"
+  echo "== a small allreduce with warm caches and after streaming 64 MiB, 2 ranks, mpi"
+  .venv/bin/mpiexec -n 2 "$PY" benchmarks/cold_cache.py --json "$OUT/cold_cache_mpi.json"
 fi
 for np in 1 2 4; do
   echo "== ZeRO sharding (memory, step time), $np rank(s), gloo"
