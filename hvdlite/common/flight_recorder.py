@@ -12,7 +12,8 @@ it with the Python stack of every thread:
 Dumps are JSON files `flight.rank<R>.json` in HVDLITE_FLIGHT_DIR (hvdlite-run sets it per job;
 otherwise a directory under the system's temporary directory). hvdlite-run gathers them into one
 report (hvdlite/runner/hang_report.py); `hvdlite-timeline --flight DIR` prints the same report.
-Recording costs one small dict per collective; HVDLITE_FLIGHT_RECORDER_SIZE=0 turns it off.
+Recording costs one small slotted record per collective (a dict only in a dump);
+HVDLITE_FLIGHT_RECORDER_SIZE=0 turns it off.
 """
 from __future__ import annotations
 
