@@ -139,29 +139,26 @@ class BucketPlanner:
         (in gradient order, the first bucket from first_bytes on, then about cap_bytes each)."""
         span = plan.last_seen - plan.first_seen
         limits = (self.first_bytes, self.cap_bytes)      # the autotuner may change them
-        first = next(iter(plan.current))
-        active = plan.active
-        if active.limits == limits and active.seen == plan.current \
-                and list(active.seen) == list(plan.current):
+        learned = plan.active
+        if learned.limits == limits and learned.seen == plan.current \
+                and list(learned.seen) == list(plan.current):
             # The same pass as the one its plan was cut from (every training step, every
             # repeated call): the same buckets. Recutting built a plan per call, ~4 us of a
             # small synchronous allreduce.
-            active.span_s = span
-            plan.plans.pop(first, None)
-            plan.plans[first] = active
-            plan.current = {}
-            return
-        learned = _Plan(span_s=span, seen=plan.current, limits=limits)
-        limit, filled, count = max(self.first_bytes, 1), 0, 0
-        for name, nbytes in plan.current.items():
-            learned.bucket_of[name] = len(learned.sizes)
-            filled += nbytes
-            count += 1
-            if filled >= limit:
+            learned.span_s = span
+        else:
+            learned = _Plan(span_s=span, seen=plan.current, limits=limits)
+            limit, filled, count = max(self.first_bytes, 1), 0, 0
+            for name, nbytes in plan.current.items():
+                learned.bucket_of[name] = len(learned.sizes)
+                filled += nbytes
+                count += 1
+                if filled >= limit:
+                    learned.sizes.append(count)
+                    limit, filled, count = self.cap_bytes, 0, 0
+            if count:
                 learned.sizes.append(count)
-                limit, filled, count = self.cap_bytes, 0, 0
-        if count:
-            learned.sizes.append(count)
+        first = next(iter(plan.current))
         plan.plans.pop(first, None)
         plan.plans[first] = learned                  # most recent last: evict the oldest
         while len(plan.plans) > self.MAX_PLANS:
