@@ -12,7 +12,8 @@ Worker: tests/workers/steady_state.py, one `CHECK <name> OK|FAIL` line per check
 - one-member sets (workers/steady_solo.py): a one-rank job, and a set of one rank beside the
   global set, release cached tensors on the caller's thread.
 On MPI the rounds run on the transport; workers/steady_mpi_rounds.py checks that path on 2 ranks
-(callers driving their own round, the round waiter, async steps, a changed shape).
+(callers driving their own round on the express lane, the round waiter, async steps, crossed
+submission orders, a changed shape).
 The stall case (a rank that stops submitting) is in test_errors.py.
 """
 from __future__ import annotations
@@ -77,7 +78,7 @@ def test_steady_state_mpi(mpi_run):
     _all_checks(mpi_run, CHECKS)
 
 
-MPI_ROUNDS_CHECKS = ["inline", "waiter", "async", "changed_shape"]
+MPI_ROUNDS_CHECKS = ["inline", "waiter", "async", "crossed", "changed_shape"]
 
 
 @pytest.fixture(scope="module")

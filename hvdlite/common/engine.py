@@ -31,7 +31,7 @@ from . import collectives, rendezvous
 from .exceptions import HorovodInternalError, HorovodMismatchError
 from .flight_recorder import RECORDER, dump, dump_async
 from .backends.base import DONE
-from .messages import (ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER,
+from .messages import (ADASUM, ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER,
                        BROADCAST, ERROR, JOIN, REDUCESCATTER, REMOVE_PROCESS_SET, TYPE_NAMES,
                        Request, Response)
 from .protocol import Item, Msg
@@ -284,7 +284,7 @@ class Engine:
                          "steady_entered": 0, "steady_rounds": 0, "steady_released": 0,
                          "steady_groups": 0,
                          "steady_fallbacks": 0, "bounced": 0, "peer_messages": 0,
-                         "transport_rounds": 0, "inline_driven": 0}
+                         "transport_rounds": 0, "inline_driven": 0, "express": 0}
         self.thread = threading.Thread(target=self._run, name="hvdlite-background", daemon=True)
         self.finisher = threading.Thread(target=self._finish_loop, name="hvdlite-finisher",
                                          daemon=True)
@@ -408,7 +408,11 @@ class Engine:
                     e.planned = True
                     self._steady_add(st, e)
                     comm = self.comms.get((st.set_id, "cpu"))
-                    self._steady_kick(st, getattr(comm, "inline_poll_s", 0.0))
+                    spin_s = getattr(comm, "inline_poll_s", 0.0)
+                    if e.sent_bit >= 0 and self._express_ok(e, comm):
+                        self._express(st, e, comm, spin_s)
+                    else:
+                        self._steady_kick(st, spin_s)
                     return
             finally:
                 self._drive.release()
@@ -416,6 +420,81 @@ class Engine:
             if self._closed is None:
                 self._queue.append(e)
         self._wake()
+
+    def _express_ok(self, e: Entry, comm) -> bool:
+        """Whether `e` may take the express lane (_express): one CPU allreduce into an output,
+        on a communicator that exists already, with no timeline recording phases."""
+        req = e.request
+        return (req.type == ALLREDUCE and req.reduce_op != ADASUM and req.device < 0
+                and e.output is not None and comm is not None and comm.device == "cpu"
+                and (self.timeline is None or not self.timeline.enabled))
+
+    def _express(self, st: SteadySet, e: Entry, comm, spin_s: float) -> None:
+        """The steady state's common case in one straight line: this rank's one cached
+        allreduce is all it has in flight, and the caller runs its round and its collective.
+
+        Why: the general path (_steady_kick, _round_done, _execute, collectives.run, _done)
+        handles fused releases, fallbacks, joins, timelines and every collective type, and its
+        layers cost ~20 us of Python per call: more than the two MPI calls a small synchronous
+        allreduce needs (~12 us). Here a round that releases exactly this bit, with no
+        fallback, goes straight to the executor's allreduce; anything else (the round is not
+        over within `spin_s`, another rank lacks the bit or asks for the fallback, a stall was
+        reported) continues on the general path from the same state, so the protocol and its
+        messages are the same either way (steady.py). Drive lock held."""
+        if self._releasing:
+            self._steady_kick(st, spin_s)
+            return
+        rnd = st.start_round(None, time.monotonic())   # a transport or a one-member round
+        self.counters["steady_rounds"] += 1
+        if rnd.__class__ is TransportRound:
+            self.counters["transport_rounds"] += 1
+            if rnd.advance() is None:
+                deadline = time.perf_counter() + spin_s
+                while rnd.advance() is None:
+                    if time.perf_counter() >= deadline:
+                        if self._waiter is None:
+                            self._waiter = RoundWaiter(self._waited_round, self._round_current,
+                                                       f"hvdlite-rounds-{self.rank}")
+                        self._waiter.watch(st, rnd)
+                        return
+            result = rnd.result
+        else:
+            result = rnd.advance()
+        common, fallback = result
+        bit = e.sent_bit
+        if fallback or st.reported or not (common >> bit) & 1 or self._closed is not None:
+            self._round_done(st, result)
+            return
+        st.finish_round(1 << bit)
+        counters = self.counters
+        counters["steady_released"] += 1
+        counters["steady_groups"] += 1
+        counters["express"] += 1
+        resp = build_responses(self.cache, st.set_id, [bit], self.settings.fusion_threshold,
+                               not self.settings.disable_group_fusion)[0]
+        key = (st.set_id, e.request.name)
+        with self._lock:
+            self._inflight.pop(key, None)
+            seq = self._transport_seq
+            self._transport_seq += 1
+            self._in_transport[seq] = [e]
+        RECORDER.started(e.flight)
+        e.result = e.output
+        try:
+            gen = self.executor.allreduce(comm, resp, [e.tensor], [e.output])
+            work = next(gen)
+            if spin_s and e.request.nbytes() <= INLINE_POLL_BYTES:
+                work = self._poll_inline(gen, work, spin_s)
+                if work is None:
+                    self._done(seq, resp, None)
+                    return
+        except StopIteration:
+            self._done(seq, resp, None)
+            return
+        except Exception as exc:
+            self._op_failed(seq, resp, None, exc)
+            return
+        self._transport.put((seq, gen, work, resp, None))
 
     def _unreserve(self, keys: list) -> None:
         with self._lock:

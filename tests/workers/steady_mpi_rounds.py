@@ -4,11 +4,15 @@
 runs its round and its collective on the caller's thread (engine.Engine._drive_inline). Checks:
 - inline: synchronous allreduces, averages and broadcasts after the steady state are driven by
   the caller, rounds run on the transport (no control message between the ranks), results equal
-  the reference;
+  the reference; the allreduces take the express lane (engine.Engine._express), the
+  broadcasts the general path;
 - waiter: one rank submits 0.2 s late, so the other's round outlives the spin window and goes
   to the round waiter thread; the result is still right and nothing else waited;
 - async: a step of async allreduces submitted together, synchronized at the end (rounds
   started by the background thread);
+- crossed: rank 1 submits B asynchronously and then A, rank 0 A and then B, both synchronously:
+  the first rounds have no common bit, so the express lane hands them to the general path, which
+  releases A and then B on both ranks;
 - changed_shape: a changed shape raises today's mismatch error on both ranks; the job returns
   to the steady state.
 """
@@ -53,6 +57,10 @@ def inline():
         fail(f"expected 30 tensors released by rounds on the transport: {d}")
     if d["inline_driven"] != 30:
         fail(f"synchronous calls not driven by the caller: {d}")
+    # Each allreduce takes the express lane unless its round outlives the spin window (a rank
+    # descheduled on this shared machine: then the round waiter finishes it); broadcasts never.
+    if not 14 <= d["express"] <= 20:
+        fail(f"expected the 20 allreduces (not the broadcasts) on the express lane: {d}")
 
 
 def waiter():
@@ -81,6 +89,32 @@ def async_step():
                  f"async {k} {i}")
 
 
+def crossed():
+    def step(k: int, cross: bool) -> None:
+        a = gen(rank, (7,), torch.float32, salt=("ca", k))
+        b = gen(rank, (9,), torch.float32, salt=("cb", k))
+        want_a = sum(gen(r, (7,), torch.float32, salt=("ca", k)) for r in range(size))
+        want_b = sum(gen(r, (9,), torch.float32, salt=("cb", k)) for r in range(size))
+        if rank == 1 and cross:
+            hb = hvd.allreduce_async(b, name="x.b", op=hvd.Sum)
+            same(hvd.allreduce(a, name="x.a", op=hvd.Sum), want_a, f"crossed a {k}")
+            same(hvd.synchronize(hb), want_b, f"crossed b {k}")
+        else:
+            same(hvd.allreduce(a, name="x.a", op=hvd.Sum), want_a, f"crossed a {k}")
+            same(hvd.allreduce(b, name="x.b", op=hvd.Sum), want_b, f"crossed b {k}")
+
+    for k in range(50, 54):            # first sight of x.a and x.b, then the steady state again
+        step(k, cross=False)
+    before = counters()
+    for k in range(54, 60):
+        step(k, cross=True)
+    after = counters()
+    if after["steady_fallbacks"] != before["steady_fallbacks"]:
+        fail(f"crossed submissions made the set fall back: {before} -> {after}")
+    if after["steady_released"] - before["steady_released"] != 12:
+        fail(f"crossed steps were not all released by the steady state: {before} -> {after}")
+
+
 def changed_shape():
     shape_mismatch("r.sum")
     entered = counters()["steady_entered"]
@@ -93,6 +127,7 @@ def changed_shape():
 check("inline", inline)
 check("waiter", waiter)
 check("async", async_step)
+check("crossed", crossed)
 check("changed_shape", changed_shape)
 print("COUNTERS", counters(), flush=True)
 finish()
