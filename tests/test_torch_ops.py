@@ -108,6 +108,7 @@ def test_join(join_run, name):
 # ---------------------------------------------------------------------------- gradients
 
 GRAD_CHECKS = [
+    "untraced",
     "allreduce_grad", "grouped_allreduce_grad",
     "allgather_grad", "grouped_allgather_grad",
     "broadcast_grad", "alltoall_grad",

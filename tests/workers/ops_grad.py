@@ -148,6 +148,32 @@ def grouped_reducescatter_grad():
             same(xs[i].grad, cases[i][1], f"grouped_reducescatter grad [{i}] {opname}")
 
 
+def untraced():
+    """Without a gradient to record (no input needs one, or grad mode is off) the ops skip
+    autograd (mpi_ops._traced): same values, no grad_fn; with one they record it."""
+    x = gen(rank, (4, 3), F64, "u")
+    want = reduce_ref([gen(r, (4, 3), F64, "u") for r in range(size)], hvd.Sum)
+    for label, t, mode in [("plain", x, True), ("no_grad", leaf(x), False)]:
+        with torch.set_grad_enabled(mode):
+            outs = {"allreduce": hvd.allreduce(t, op=hvd.Sum),
+                    "grouped_allreduce": hvd.grouped_allreduce([t], op=hvd.Sum)[0],
+                    "broadcast": hvd.broadcast(t, 0), "allgather": hvd.allgather(t),
+                    "reducescatter": hvd.reducescatter(t, op=hvd.Sum),
+                    "alltoall": hvd.alltoall(t)}
+        for op, out in outs.items():
+            if out.grad_fn is not None or out.requires_grad:
+                raise AssertionError(f"{op} ({label}) recorded autograd history")
+        same(outs["allreduce"], want, f"allreduce ({label})")
+        same(outs["grouped_allreduce"], want, f"grouped_allreduce ({label})")
+        same(outs["broadcast"], gen(0, (4, 3), F64, "u"), f"broadcast ({label})")
+        same(outs["allgather"], torch.cat([gen(r, (4, 3), F64, "u") for r in range(size)]),
+             f"allgather ({label})")
+    traced = hvd.allreduce(leaf(x), op=hvd.Sum)
+    if traced.grad_fn is None:
+        raise AssertionError("allreduce of a tensor that needs a gradient recorded none")
+
+
+check("untraced", untraced)
 check("allreduce_grad", allreduce_grad)
 check("grouped_allreduce_grad", grouped_allreduce_grad)
 check("allgather_grad", allgather_grad)
