@@ -13,7 +13,7 @@ Worker: tests/workers/steady_state.py, one `CHECK <name> OK|FAIL` line per check
   global set, release cached tensors on the caller's thread.
 On MPI the rounds run on the transport; workers/steady_mpi_rounds.py checks that path on 2 ranks
 (callers driving their own round on the express lane, the round waiter, async steps, crossed
-submission orders, a changed shape).
+submission orders, a large synchronous allreduce, a changed shape).
 The stall case (a rank that stops submitting) is in test_errors.py.
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ def test_steady_state_mpi(mpi_run):
     _all_checks(mpi_run, CHECKS)
 
 
-MPI_ROUNDS_CHECKS = ["inline", "waiter", "async", "crossed", "changed_shape"]
+MPI_ROUNDS_CHECKS = ["inline", "waiter", "async", "crossed", "large", "changed_shape"]
 
 
 @pytest.fixture(scope="module")

@@ -227,6 +227,35 @@ def allreduce(buffers: Sequence[Buffer], *, names: Names = None, op: int = AVERA
     return _submit([Entry(r, _contiguous(b), o) for r, b, o in zip(reqs, buffers, outputs)])
 
 
+def allreduce_now(buffer: Buffer, output: Buffer, *, name: Optional[str] = None,
+                  op: int = AVERAGE, prescale: float = 1.0, postscale: float = 1.0,
+                  process_set=None) -> Buffer:
+    """Reduce one buffer over the set into `output` and return it, blocking: the frontends'
+    synchronous calls (`allreduce_`, and `allreduce` when nothing records a gradient).
+
+    Why a call of its own: a caller that blocks needs no handle, and a named buffer whose
+    cache bit the set's steady state knows can run from start to end on this thread
+    (engine.Engine.express), which skips most of the per-call Python of a submission. Anything
+    else (no name, a first sight, a changed signature, something else in flight, Adasum, a
+    GPU buffer, a timeline) is exactly `allreduce([buffer], ...).wait()[0]`, with every check
+    and error message of that path."""
+    if isinstance(name, str) and op in REDUCE_OPS:
+        state = _state()
+        sid = set_id(process_set)
+        req = Request(rank=state.rank, name=name, type=ALLREDUCE,
+                      dtype=dtype_name(buffer, True), shape=tuple(buffer.shape),
+                      device=buffer.get_device() if buffer.is_cuda else -1, process_set_id=sid,
+                      reduce_op=op, prescale=float(prescale), postscale=float(postscale))
+        engine = state.engine
+        done = engine.express(Entry(req, _contiguous(buffer), output))
+        if done is True:
+            return output
+        if done is not None:
+            return Handle(done, _first, engine.alive).wait()
+    return allreduce([buffer], names=name, op=op, prescale=prescale, postscale=postscale,
+                     process_set=process_set, outputs=[output]).wait()[0]
+
+
 def allgather(buffers: Sequence[Buffer], *, names: Names = None, process_set=None, group=None,
               cacheable: Optional[bool] = None) -> Handle:
     """Concatenate every rank's buffer along dimension 0 (first dims may differ). Result: list."""
@@ -381,7 +410,7 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> 
     return out
 
 
-__all__ = ["Buffer", "Handle", "allreduce", "allgather", "broadcast", "reducescatter",
+__all__ = ["Buffer", "Handle", "allreduce", "allreduce_now", "allgather", "broadcast", "reducescatter",
            "alltoall", "join", "barrier", "broadcast_object", "allgather_object", "set_id",
            "set_ranks", "dtype_name", "check_reduce_op", "resolve_names", "reset",
            "AVERAGE", "SUM", "ADASUM", "MIN", "MAX", "PRODUCT"]

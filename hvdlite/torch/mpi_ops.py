@@ -107,8 +107,11 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
         reduced = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor,
                                          postscale_factor, process_set)
     else:
-        reduced = synchronize(allreduce_async(compressed, average, name, op, prescale_factor,
-                                              postscale_factor, process_set))
+        op = handle_average_backwards_compatibility(op, average)
+        reduced = _ops.allreduce_now(
+            compressed, torch.empty_like(compressed, memory_format=torch.contiguous_format),
+            name=name, op=op, prescale=prescale_factor, postscale=postscale_factor,
+            process_set=process_set)
     return compression.decompress(reduced, cctx)
 
 
@@ -125,8 +128,11 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=global_process_set):
     """In-place allreduce; returns `tensor`."""
-    synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
-                                 process_set))
+    op = handle_average_backwards_compatibility(op, average)
+    _check_inplace(tensor)
+    t = tensor.detach()                # one object as input and output: reduced in place
+    _ops.allreduce_now(t, t, name=name, op=op, prescale=prescale_factor,
+                       postscale=postscale_factor, process_set=process_set)
     return tensor
 
 

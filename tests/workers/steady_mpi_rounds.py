@@ -13,6 +13,8 @@ runs its round and its collective on the caller's thread (engine.Engine._drive_i
 - crossed: rank 1 submits B asynchronously and then A, rank 0 A and then B, both synchronously:
   the first rounds have no common bit, so the express lane hands them to the general path, which
   releases A and then B on both ranks;
+- large: a synchronous 2.4 MB allreduce takes the express lane too, and its transfer (too
+  large to poll on the caller's thread) finishes on the finisher thread;
 - changed_shape: a changed shape raises today's mismatch error on both ranks; the job returns
   to the steady state.
 """
@@ -115,6 +117,25 @@ def crossed():
         fail(f"crossed steps were not all released by the steady state: {before} -> {after}")
 
 
+def large():
+    shape = (600_000,)
+    xs = {k: gen(rank, shape, torch.float32, salt=("L", k)) for k in range(60, 70)}
+    want = {k: sum(gen(r, shape, torch.float32, salt=("L", k)) for r in range(size))
+            for k in xs}
+    got = {}
+
+    def step(k: int) -> None:         # inputs ready: the ranks arrive together
+        got[k] = hvd.allreduce(xs[k], name="r.large", op=hvd.Sum)
+
+    d = steady_delta(step, range(60, 64), range(64, 70))
+    for k in xs:
+        same(got[k], want[k], f"large {k}")
+    if d["steady_released"] != 6 or d["coordinator_messages"]:
+        fail(f"large synchronous allreduces left the steady state: {d}")
+    if d["express"] < 3:
+        fail(f"large synchronous allreduces did not take the express lane: {d}")
+
+
 def changed_shape():
     shape_mismatch("r.sum")
     entered = counters()["steady_entered"]
@@ -128,6 +149,7 @@ check("inline", inline)
 check("waiter", waiter)
 check("async", async_step)
 check("crossed", crossed)
+check("large", large)
 check("changed_shape", changed_shape)
 print("COUNTERS", counters(), flush=True)
 finish()
