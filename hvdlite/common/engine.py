@@ -463,8 +463,8 @@ class Engine:
                 self._reserved.add(key)
                 self._submitted += 1
                 e.seq = self._submitted
-                # The caller waits right away: a pass boundary for the bucket planner.
-                self._wait_marks.append(e.seq)
+                # (No wait mark for the bucket planner: the planner never sees this call, and
+                # a mark per call would pile up while no planned submission consumes them.)
             e.flight = RECORDER.enqueued(req)
             e.sent_bit = hit[0]
             e.planned = True
