@@ -80,6 +80,15 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
                             process_set, grouped=False)
 
 
+def _allreduce_now(tensor, average, name, op, prescale_factor, postscale_factor, process_set):
+    """A blocking out-of-place allreduce (the op layer's allreduce_now: no handle, and the
+    whole call on this thread when the steady state allows)."""
+    op = handle_average_backwards_compatibility(op, average)
+    out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    return _ops.allreduce_now(tensor, out, name=name, op=op, prescale=prescale_factor,
+                              postscale=postscale_factor, process_set=process_set)
+
+
 class HorovodAllreduce(torch.autograd.Function):
     """Allreduce with a gradient: the gradient is allreduced the same way."""
 
@@ -88,8 +97,8 @@ class HorovodAllreduce(torch.autograd.Function):
         ctx.average, ctx.op = average, op
         ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
         ctx.process_set = process_set
-        return synchronize(allreduce_async(tensor, average, name, op, prescale_factor,
-                                           postscale_factor, process_set))
+        return _allreduce_now(tensor, average, name, op, prescale_factor, postscale_factor,
+                              process_set)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -107,11 +116,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
         reduced = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor,
                                          postscale_factor, process_set)
     else:
-        op = handle_average_backwards_compatibility(op, average)
-        reduced = _ops.allreduce_now(
-            compressed, torch.empty_like(compressed, memory_format=torch.contiguous_format),
-            name=name, op=op, prescale=prescale_factor, postscale=postscale_factor,
-            process_set=process_set)
+        reduced = _allreduce_now(compressed, average, name, op, prescale_factor,
+                                 postscale_factor, process_set)
     return compression.decompress(reduced, cctx)
 
 
