@@ -12,6 +12,11 @@ Once the coordinator has put a process set into the steady state ("D"), the back
 releases that set's cached tensors itself: rounds of a recursive-doubling AND of cache bits over
 direct connections to the other ranks (steady.py documents the protocol), and falls back to the
 coordinator the moment anything is not a cache hit. `counters` counts both paths.
+
+A blocking allreduce of one cached tensor, with nothing else of its rank in flight, takes the
+express lane (express): its caller runs the round and the collective, without a handle, the
+queue or the bucket planner, and returns with the result; only where the general path must
+take over does the entry get a handle and a place in the engine's tables (_attach).
 """
 from __future__ import annotations
 
@@ -176,6 +181,34 @@ class Handle:
         if self.error is not None:
             raise (HorovodMismatchError if self.mismatch else HorovodInternalError)(self.error)
         return [e.result for e in self.entries]
+
+    def names(self) -> list:
+        return [e.request.name for e in self.entries[:4]]
+
+
+class Finished:
+    """The handle of a collective that completed before its call returned (the express lane of
+    a one-member set, Engine.express with blocking=False): Handle's interface, nothing to wait
+    for, no locks to create."""
+
+    __slots__ = ("entries", "_release")
+
+    def __init__(self, entries: list, release: Callable[[], None]):
+        self.entries = entries
+        self._release: Callable[[], None] | None = release   # frees the names, as Handle's
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, alive: Callable[[], bool] | None = None,
+             timeout: float | None = None) -> list:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+        return [e.result for e in self.entries]
+
+    def add_callback(self, cb: Callable[[], None]) -> None:
+        cb()
 
     def names(self) -> list:
         return [e.request.name for e in self.entries[:4]]
@@ -429,7 +462,7 @@ class Engine:
                 and e.output is not None and comm is not None and comm.device == "cpu"
                 and (self.timeline is None or not self.timeline.enabled))
 
-    def express(self, e: Entry):
+    def express(self, e: Entry, blocking: bool = True):
         """Run one synchronous caller's cached allreduce from start to end on its thread.
 
         Why: a blocking call needs no handle, no queue and no bucket plan while the steady state
@@ -441,6 +474,10 @@ class Engine:
         (the set is not steady, the name has no cache bit with this signature, something else is
         in flight, another thread drives the engine): nothing was done, submit `e` as usual,
         which also raises every misuse error. Raises HorovodInternalError on a transport failure.
+        `blocking=False` (an asynchronous call) takes the lane only for a one-member set, whose
+        collective never waits for anyone: it must not block its caller for a peer. It returns
+        a Finished handle instead of True, which keeps the name taken until it is waited for,
+        as every handle does.
         """
         req = e.request
         key = (req.process_set_id, req.name)
@@ -453,7 +490,7 @@ class Engine:
                         or self._stopping or key in self._reserved:
                     return None
                 st = self.steady.get(req.process_set_id)
-                if st is None or (st.agreement is None and len(st.ranks) > 1) \
+                if st is None or (len(st.ranks) > 1 and (st.agreement is None or not blocking)) \
                         or st.round is not None or st.pending or st.held or st.fallback:
                     return None
                 hit = self.cache.by_name.get(key)
@@ -470,11 +507,15 @@ class Engine:
             e.planned = True
             st.pending[hit[0]] = e
             self.counters["inline_driven"] += 1
+            done = None
             try:
-                return self._express(st, e, comm, getattr(comm, "inline_poll_s", 0.0), True)
+                done = self._express(st, e, comm, getattr(comm, "inline_poll_s", 0.0), True)
+                if done is True and not blocking:
+                    done = Finished([e], lambda: self._unreserve([key]))
+                return done
             finally:
-                if e.handle is None:       # finished (or failed) here: the name is free again
-                    with self._lock:
+                if e.handle is None and done.__class__ is not Finished:
+                    with self._lock:       # finished (or failed) here: the name is free again
                         self._reserved.discard(key)
         finally:
             self._drive.release()

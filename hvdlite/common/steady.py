@@ -36,6 +36,12 @@ The protocol, per process set (every rank of the set runs it; rank 0 is not spec
    leaves the round at almost the same moment. A caller whose one tensor is all its rank has in
    flight runs the round itself, and, where MPI waits may spin, its collective too
    (engine.Engine._drive_inline); a round nobody spins on is polled by a RoundWaiter thread.
+   The express lane (engine.Engine.express and _express) is the same round and release in
+   one straight line, for the commonest case: a blocking allreduce of one cached tensor with
+   nothing else in flight (ops.allreduce_now). It offers the same bits in the same round, so a
+   peer on the general path cannot tell the difference; any other outcome (a peer without the
+   bit, the fallback flag, a round that outlives the spin window) hands the entry, now with a
+   handle, to the general path in the state the round left.
    HVDLITE_STEADY_ROUNDS=peers keeps the messages.
 3. Release. Every rank releases the common bits of the round, in ascending bit order, fused
    exactly as the coordinator fuses (fusion.fuse_responses with the configured threshold), from

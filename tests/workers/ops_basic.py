@@ -392,6 +392,8 @@ def errors():
     assert "dup" in str(exc), exc
     expect_raises(ValueError, lambda: hvd.allgather_async(x, name="dup"),
                   "duplicate name in flight (allgather)")
+    expect_raises(ValueError, lambda: hvd.allreduce_(x.clone(), name="dup", op=hvd.Sum),
+                  "duplicate name in flight (blocking allreduce_)")
     same(hvd.synchronize(h), torch.full((5,), float(size * (size + 1) // 2)),
          "first 'dup' allreduce")
     # The name is free again once the first one finished.

@@ -66,6 +66,35 @@ def solo_hits():
     # its caller's thread): every tensor runs on the caller's thread.
     if d["inline_driven"] != 7 * per_step:
         fail(f"{d['inline_driven']} of {7 * per_step} tensors ran on the caller's thread: {d}")
+    # The allreduces, async or blocking, take the express lane (engine.Engine.express); the
+    # broadcast and the allgather the general one.
+    if d["express"] != 7 * len(SHAPES) + 7 * 2:
+        fail(f"{d['express']} of {7 * (len(SHAPES) + 2)} allreduces took the express lane: {d}")
+
+
+def solo_finished_handle():
+    """An async allreduce that finished before its call returned keeps its name until it is
+    synchronized, as any handle does; poll() says it is done; callbacks run at once."""
+    x = gen(rank, (5,), torch.float32, salt="fin")
+    for k in range(4):                  # first sight, then the steady state
+        same(hvd.synchronize(hvd.allreduce_async(x, name="solo.fin", op=hvd.Sum,
+                                                 process_set=own)), x, f"finished {k}")
+    h = hvd.allreduce_async(x, name="solo.fin", op=hvd.Sum, process_set=own)
+    if not hvd.poll(h):
+        fail("a one-member set's steady async allreduce was not done when its call returned")
+    try:
+        hvd.allreduce_async(x, name="solo.fin", op=hvd.Sum, process_set=own)
+        fail("a name still unsynchronized was accepted again")
+    except ValueError as exc:
+        if "solo.fin" not in str(exc):
+            fail(f"duplicate-name error does not name the tensor: {exc}")
+    seen = []
+    hvd.mpi_ops.get_handle(h).add_done_callback(lambda handle: seen.append(handle.done()))
+    if seen != [True]:
+        fail(f"a finished handle's callback did not run at once: {seen}")
+    same(hvd.synchronize(h), x, "finished handle result")
+    same(hvd.synchronize(hvd.allreduce_async(x, name="solo.fin", op=hvd.Sum, process_set=own)),
+         x, "name free after synchronize")
 
 
 def solo_changed_shape():
@@ -114,6 +143,7 @@ def global_still_works():
 
 
 check("solo_hits", solo_hits)
+check("solo_finished_handle", solo_finished_handle)
 check("solo_changed_shape", solo_changed_shape)
 check("solo_many_async", solo_many_async)
 check("solo_join", solo_join)
