@@ -236,6 +236,13 @@ def _wait_tf(handle) -> list:
 
 
 def _rt_allreduce(xs, names, op, pre, post, set_id, cacheable, group=None) -> list:
+    if len(xs) == 1 and group is None and cacheable and len(names) == 1:
+        # One named tensor: the op layer's blocking call, which runs the whole collective on
+        # this thread when the steady state allows (ops.allreduce_now).
+        t = _to_torch(xs[0])
+        out = torch.empty_like(t, memory_format=torch.contiguous_format)
+        return [_to_tf(_cops.allreduce_now(t, out, name=names[0], op=op, prescale=pre,
+                                           postscale=post, process_set=set_id))]
     return _wait_tf(_cops.allreduce([_to_torch(x) for x in xs], names=names, op=op,
                                     prescale=pre, postscale=post, process_set=set_id,
                                     group=group, cacheable=cacheable))
