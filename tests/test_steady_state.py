@@ -93,8 +93,8 @@ def test_steady_rounds_on_mpi(mpi_rounds_run):
     _all_checks(mpi_rounds_run, MPI_ROUNDS_CHECKS)
 
 
-SOLO_CHECKS = ["solo_hits", "solo_finished_handle", "solo_changed_shape", "solo_many_async", "solo_join",
-               "global_still_works"]
+SOLO_CHECKS = ["solo_hits", "solo_finished_handle", "solo_changed_shape", "solo_many_async",
+               "solo_join", "global_still_works"]
 
 
 @pytest.mark.timeout(180)
