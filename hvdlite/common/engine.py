@@ -405,7 +405,7 @@ class Engine:
             self._wake()
         return handle
 
-    def _inline_set(self, go: list) -> SteadySet | None:
+    def _inline_set(self, go: list, in_flight: int = 1) -> SteadySet | None:
         """The steady set whose round this caller may start itself for `go`, or None.
 
         Why: handing a collective to the background thread, and its result back, costs a thread
@@ -416,10 +416,11 @@ class Engine:
         and, if every rank is there, runs the collective too, so nothing crosses a thread.
         A one-member set's round ends at once on any transport: its caller always runs it.
         (Starting a round over the control connections from here gained nothing measurable on
-        gloo: the peers' answer still arrives on the background thread.) Called with self._lock
-        held."""
+        gloo: the peers' answer still arrives on the background thread.) `in_flight`: how many
+        entries this rank has in flight, `go` included (0 for the express lane's call, which is
+        not enqueued). Called with self._lock held."""
         if len(go) != 1 or self._queue or self._held or self._in_transport or self._flush \
-                or len(self._inflight) != 1 or self._releasing or self._stopping:
+                or len(self._inflight) != in_flight or self._releasing or self._stopping:
             return None
         st = self.steady.get(go[0].request.process_set_id)
         if st is None or (st.agreement is None and len(st.ranks) > 1) or st.round is not None \
@@ -485,13 +486,11 @@ class Engine:
             return None
         try:
             with self._lock:
-                if self._closed is not None or self._inflight or self._queue or self._held \
-                        or self._in_transport or self._flush or self._releasing \
-                        or self._stopping or key in self._reserved:
+                if self._closed is not None or key in self._reserved \
+                        or not req.cacheable or req.group is not None:
                     return None
-                st = self.steady.get(req.process_set_id)
-                if st is None or (len(st.ranks) > 1 and (st.agreement is None or not blocking)) \
-                        or st.round is not None or st.pending or st.held or st.fallback:
+                st = self._inline_set([e], in_flight=0)
+                if st is None or (not blocking and len(st.ranks) > 1):
                     return None
                 hit = self.cache.by_name.get(key)
                 comm = self.comms.get((st.set_id, "cpu"))
@@ -609,13 +608,10 @@ class Engine:
         except StopIteration:
             return self._express_done(seq, resp, e, detached)
         except Exception as exc:
+            message = self._op_failed(seq, resp, None, exc)
             if not detached:
-                self._op_failed(seq, resp, None, exc)
                 return None
-            message = (f"ALLREDUCE of {resp.names} failed on rank {self.rank}: "
-                       f"{type(exc).__name__}: {exc}")
             RECORDER.finished(e.flight, message)
-            self._report_failure(message)
             raise HorovodInternalError(message) from exc
         if detached:
             handle = self._attach(e, seq)
@@ -1444,13 +1440,15 @@ class Engine:
             RECORDER.finished(e.flight)
             e.handle._complete_one()
 
-    def _op_failed(self, seq: int, resp: Response, tl, exc: Exception) -> None:
+    def _op_failed(self, seq: int, resp: Response, tl, exc: Exception) -> str:
+        """Fail the job for a transport error; returns the message every rank's callers get."""
         if tl is not None:
             tl.activity_end(resp.names)
             tl.end_op(resp.names)
-        self._report_failure(
-            f"{TYPE_NAMES[resp.type]} of {resp.names[:4]} failed on rank {self.rank}: "
-            f"{type(exc).__name__}: {exc}")
+        message = (f"{TYPE_NAMES[resp.type]} of {resp.names[:4]} failed on rank {self.rank}: "
+                   f"{type(exc).__name__}: {exc}")
+        self._report_failure(message)
+        return message
 
     def _wait_transport_idle(self) -> None:
         """Block until every launched collective has finished (before tearing a communicator

@@ -194,11 +194,17 @@ def _requests(kind: str, rtype: int, buffers: Sequence[Buffer], names: Names, pr
     gname, gsize = _group(group, base, n)
     cache = (names is not None) if cacheable is None else bool(cacheable)
     me = _state().rank
-    return [Request(rank=me, name=nm, type=rtype, dtype=dtype_name(b, reduce),
-                    shape=tuple(b.shape),
-                    device=b.get_device() if b.is_cuda else -1,
-                    process_set_id=sid, cacheable=cache, group=gname, group_size=gsize, **kw)
+    return [_request(me, nm, rtype, b, sid, reduce, cacheable=cache, group=gname,
+                     group_size=gsize, **kw)
             for b, nm in zip(buffers, wire)]
+
+
+def _request(me: int, name: str, rtype: int, b: Buffer, sid: int, reduce: bool,
+             **kw) -> Request:
+    """One buffer's request (what every rank validates against the others')."""
+    return Request(rank=me, name=name, type=rtype, dtype=dtype_name(b, reduce),
+                   shape=tuple(b.shape), device=b.get_device() if b.is_cuda else -1,
+                   process_set_id=sid, **kw)
 
 
 def _contiguous(b: Buffer) -> Buffer:
@@ -226,8 +232,7 @@ def allreduce(buffers: Sequence[Buffer], *, names: Names = None, op: int = AVERA
         outputs = [torch.empty_like(b, memory_format=torch.contiguous_format) for b in buffers]
     entries = [Entry(r, _contiguous(b), o) for r, b, o in zip(reqs, buffers, outputs)]
     engine = _state().engine
-    if len(entries) == 1 and reqs[0].cacheable and reqs[0].group is None and op != ADASUM \
-            and len(engine.set_ranks.get(reqs[0].process_set_id, ())) == 1:
+    if len(entries) == 1 and len(engine.set_ranks.get(reqs[0].process_set_id, ())) == 1:
         # A one-member set's cached allreduce finishes on this thread (engine.Engine.express),
         # without the queue and the handle's locks.
         done = engine.express(entries[0], blocking=False)
@@ -250,11 +255,8 @@ def allreduce_now(buffer: Buffer, output: Buffer, *, name: Optional[str] = None,
     and error message of that path."""
     if isinstance(name, str) and op in REDUCE_OPS:
         state = _state()
-        sid = set_id(process_set)
-        req = Request(rank=state.rank, name=name, type=ALLREDUCE,
-                      dtype=dtype_name(buffer, True), shape=tuple(buffer.shape),
-                      device=buffer.get_device() if buffer.is_cuda else -1, process_set_id=sid,
-                      reduce_op=op, prescale=float(prescale), postscale=float(postscale))
+        req = _request(state.rank, name, ALLREDUCE, buffer, set_id(process_set), True,
+                       reduce_op=op, prescale=float(prescale), postscale=float(postscale))
         engine = state.engine
         done = engine.express(Entry(req, _contiguous(buffer), output))
         if done is True:
