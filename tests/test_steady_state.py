@@ -78,7 +78,7 @@ def test_steady_state_mpi(mpi_run):
     _all_checks(mpi_run, CHECKS)
 
 
-MPI_ROUNDS_CHECKS = ["inline", "waiter", "async", "crossed", "large", "changed_shape"]
+MPI_ROUNDS_CHECKS = ["inline", "express", "waiter", "async", "crossed", "large", "changed_shape"]
 
 
 @pytest.fixture(scope="module")
