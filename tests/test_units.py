@@ -137,21 +137,28 @@ def test_bucket_planner_cuts_the_last_pass_like_ddp_and_releases_complete_bucket
 
 
 def test_bucket_sizes_follow_how_many_ranks_share_the_cores():
-    """More ranks than cores: one bucket per pass, so every gradient of a step is held until
-    the last one; otherwise, or when the user chose sizes (or turned buckets off), unchanged."""
-    from hvdlite.common.buckets import WHOLE_PASS, BucketPlanner, sizes_for_host
+    """No core to spare per rank: a pass of CPU tensors is one bucket, so every gradient of a
+    step is held until the last one. A core to spare, sizes the user chose, buckets turned off
+    or a pass with a GPU tensor: DDP's buckets."""
+    from hvdlite.common.buckets import BucketPlanner, whole_pass_on_host
     mb = 1 << 20
-    assert sizes_for_host(25 * mb, mb, False, 2, 2) == (25 * mb, mb)
-    assert sizes_for_host(25 * mb, mb, False, 1, 2) == (25 * mb, mb)
-    assert sizes_for_host(25 * mb, mb, False, 4, 2) == (WHOLE_PASS, WHOLE_PASS)
-    assert sizes_for_host(25 * mb, mb, True, 4, 2) == (25 * mb, mb)
-    assert sizes_for_host(0, mb, False, 4, 2) == (0, mb)
-    plan = BucketPlanner(*sizes_for_host(25 * mb, mb, False, 4, 2))
+    assert whole_pass_on_host(25 * mb, False, 2, 2)
+    assert whole_pass_on_host(25 * mb, False, 4, 2)
+    assert not whole_pass_on_host(25 * mb, False, 1, 2)
+    assert not whole_pass_on_host(25 * mb, False, 2, 16)
+    assert not whole_pass_on_host(25 * mb, True, 4, 2)
+    assert not whole_pass_on_host(0, False, 4, 2)
     step = [("g3", 300 * mb), ("g2", mb), ("g1", 3 * mb), ("g0", 2 * mb)]
-    for name, n in step:                               # first pass: learn it
-        plan.observe(0, name, n, 0.0)
-    got = [plan.observe(0, name, n, 1.0)[1] for name, n in step]
-    assert got == [0, 0, 0, -1]                        # all held for the last, one bucket
+
+    def second_pass(plan: BucketPlanner, on_device: bool) -> list:
+        for name, n in step:                           # first pass: learn it
+            plan.observe(0, name, n, 0.0, on_device=on_device)
+        return [plan.observe(0, name, n, 1.0, on_device=on_device)[1] for name, n in step]
+
+    assert second_pass(BucketPlanner(25 * mb, mb, True), False) == [0, 0, 0, -1]  # one bucket
+    # DDP's: g3 fills the first bucket alone, then g2..g0 go as the second.
+    assert second_pass(BucketPlanner(25 * mb, mb, True), True) == [-1, 1, 1, -1]
+    assert second_pass(BucketPlanner(25 * mb, mb, False), False) == [-1, 1, 1, -1]
 
 
 def test_bucket_planner_aligns_passes_to_waits_and_keeps_a_plan_per_pass_shape():

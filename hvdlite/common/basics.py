@@ -227,16 +227,18 @@ def _join(state: "_State", ident, world, settings: Settings, dynamic: bool, stat
 
 
 def _settings_for_host(settings: Settings, local_ranks: int) -> Settings:
-    """The engine's settings on this host: bucket sizes follow how many ranks share its cores
-    (buckets.sizes_for_host says why). A copy, so an elastic re-init decides afresh."""
+    """The engine's settings on this host: buckets follow how many ranks share its cores
+    (buckets.whole_pass_on_host says why). A copy, so an elastic re-init decides afresh."""
     cores = threads.usable_cores()
-    cap, first = buckets.sizes_for_host(settings.bucket_cap_bytes, settings.first_bucket_bytes,
-                                        settings.buckets_explicit, local_ranks, cores)
-    if (cap, first) == (settings.bucket_cap_bytes, settings.first_bucket_bytes):
+    whole = buckets.whole_pass_on_host(settings.bucket_cap_bytes, settings.buckets_explicit,
+                                       local_ranks, cores)
+    if whole == settings.cpu_whole_pass:
         return settings
-    log.info("%d ranks share %d cores on this host: a step's gradients go as one bucket (set "
-             "HVDLITE_BUCKET_CAP_MB / HVDLITE_FIRST_BUCKET_MB to choose)", local_ranks, cores)
-    return dataclasses.replace(settings, bucket_cap_bytes=cap, first_bucket_bytes=first)
+    if whole:
+        log.info("%d ranks share %d cores on this host: a step's CPU gradients go as one bucket "
+                 "(set HVDLITE_BUCKET_CAP_MB / HVDLITE_FIRST_BUCKET_MB to choose)",
+                 local_ranks, cores)
+    return dataclasses.replace(settings, cpu_whole_pass=whole)
 
 
 def _share_address(ident, store, prefix: str, port, settings) -> tuple[str, int]:

@@ -26,9 +26,11 @@ handle (a synchronous call or `synchronize()` never waits for a bucket), or afte
 still goes through the steady state's rounds, which release only what every rank has, so a rank
 that buckets differently is slower, never wrong. HVDLITE_BUCKET_CAP_MB=0 turns buckets off.
 
-A host that runs more ranks than it has cores gets one bucket per pass (sizes_for_host): no
-rank has a core to spare there, so a transfer that overlaps backpropagation only takes the core
-from it (and MPI's waits poll), while the whole step still ends with the slowest rank.
+A host with no more cores than ranks sends a pass of CPU tensors as one bucket
+(whole_pass_on_host): no rank has a core to spare there, so a transfer that overlaps
+backpropagation only takes the core from it (and MPI's waits poll), while the whole step still
+ends with the slowest rank. A pass with a GPU tensor keeps DDP's buckets: its backpropagation
+runs on the GPU, and the overlap is what hides the transfer.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ class _SetPlan:
     """One process set's pass history and bucket plans."""
 
     current: dict = field(default_factory=dict)      # name -> nbytes, this pass, in order
+    on_device: bool = False                           # this pass has a GPU tensor
     first_seen: float = 0.0
     last_seen: float = 0.0
     plans: dict = field(default_factory=dict)        # first name of a pass -> _Plan
@@ -62,21 +65,22 @@ class _SetPlan:
 WHOLE_PASS = 1 << 62                                 # a bucket size no pass reaches
 
 
-def sizes_for_host(cap_bytes: int, first_bytes: int, explicit: bool, local_ranks: int,
-                   cores: int) -> tuple[int, int]:
-    """(cap, first bucket) in bytes for a rank on a host with `local_ranks` ranks and `cores`
-    usable cores.
+def whole_pass_on_host(cap_bytes: int, explicit: bool, local_ranks: int, cores: int) -> bool:
+    """Whether a rank on a host with `local_ranks` ranks and `cores` usable cores sends a pass
+    of CPU tensors as one bucket.
 
-    Why: with more ranks than cores, holding a step's gradients until the pass is complete and
-    sending them as one bucket measured faster than DDP-style buckets that overlap
-    backpropagation (4 ranks on 2 cores, benchmarks/train_step.py, two alternating runs: MPI
+    Why: with no core to spare per rank, holding a step's gradients until the pass is complete
+    and sending them as one bucket measured faster than DDP-style buckets that overlap
+    backpropagation. 4 ranks on 2 cores (benchmarks/train_step.py, two alternating runs): MPI
     CNN 0.96-0.99 x DDP against 1.04-1.05, transformer 0.98-1.04 against 1.05-1.07; gloo CNN
-    0.89 against 0.92-0.93, transformer unchanged). With a core per rank the overlap stays,
-    as in DDP (there the two measured the same within noise). Sizes the user set are kept;
-    a cap of 0 (buckets off) too."""
-    if explicit or cap_bytes <= 0 or local_ranks <= cores:
-        return cap_bytes, first_bytes
-    return WHOLE_PASS, WHOLE_PASS
+    0.89 against 0.92-0.93, transformer unchanged. 2 ranks on 2 cores, each with one torch
+    thread (two alternating runs each, hvdlite's step above the serial floor): MPI CNN 1.9-2.2
+    ms against 5.2, transformer 3.9-5.2 against 11-13; gloo CNN 1.4-3.4 against 4.2-4.5,
+    transformer 4.4-5.5 against 4.3-9.4, the MLP the same. The rank's background threads
+    (rounds, copies into fusion buffers, MPI's polling waits) share its one core with
+    backpropagation. With a core to spare the overlap stays, as in DDP. Sizes the user set
+    are kept; a cap of 0 (buckets off) too."""
+    return not explicit and cap_bytes > 0 and local_ranks >= cores
 
 
 class BucketPlanner:
@@ -86,9 +90,11 @@ class BucketPlanner:
     MAX_HOLD_S = 1.0
     MAX_PLANS = 16                                   # pass shapes kept per set
 
-    def __init__(self, cap_bytes: int, first_bytes: int):
+    def __init__(self, cap_bytes: int, first_bytes: int, cpu_whole_pass: bool = False):
         self.cap_bytes = max(int(cap_bytes), 0)
         self.first_bytes = max(int(first_bytes), 0)
+        # A pass of CPU tensors only is one bucket (whole_pass_on_host).
+        self.cpu_whole_pass = cpu_whole_pass
         self._sets: dict[int, _SetPlan] = {}
 
     @property
@@ -96,9 +102,9 @@ class BucketPlanner:
         return self.cap_bytes > 0
 
     def observe(self, set_id: int, name: str, nbytes: int, now: float | None = None,
-                boundary: bool = False) -> tuple[bool, int]:
+                boundary: bool = False, on_device: bool = False) -> tuple[bool, int]:
         """Record a submission (in submission order); `boundary` says a caller waited for
-        results since the previous submission. Returns (new_pass, bucket): new_pass says a pass
+        results since the previous submission, `on_device` that the tensor is on a GPU. Returns (new_pass, bucket): new_pass says a pass
         just ended (anything still held should go), bucket is the index of the name's bucket if
         it is held back for it, else -1 (release now)."""
         now = time.monotonic() if now is None else now
@@ -113,6 +119,7 @@ class BucketPlanner:
             plan.active = plan.plans.get(name) or _Plan()
             plan.arrived = [0] * len(plan.active.sizes)
         plan.current[name] = nbytes
+        plan.on_device = plan.on_device or on_device
         plan.last_seen = now
         b = plan.active.bucket_of.get(name, -1)
         if b < 0:
@@ -138,7 +145,10 @@ class BucketPlanner:
         """The pass in `current` is complete: keep its buckets under its first name, DDP's way
         (in gradient order, the first bucket from first_bytes on, then about cap_bytes each)."""
         span = plan.last_seen - plan.first_seen
-        limits = (self.first_bytes, self.cap_bytes)      # the autotuner may change them
+        if self.cpu_whole_pass and not plan.on_device:
+            limits = (WHOLE_PASS, WHOLE_PASS)
+        else:
+            limits = (self.first_bytes, self.cap_bytes)
         learned = plan.active
         if learned.limits == limits and learned.seen == plan.current \
                 and list(learned.seen) == list(plan.current):
@@ -148,14 +158,14 @@ class BucketPlanner:
             learned.span_s = span
         else:
             learned = _Plan(span_s=span, seen=plan.current, limits=limits)
-            limit, filled, count = max(self.first_bytes, 1), 0, 0
+            limit, filled, count = max(limits[0], 1), 0, 0
             for name, nbytes in plan.current.items():
                 learned.bucket_of[name] = len(learned.sizes)
                 filled += nbytes
                 count += 1
                 if filled >= limit:
                     learned.sizes.append(count)
-                    limit, filled, count = self.cap_bytes, 0, 0
+                    limit, filled, count = limits[1], 0, 0
             if count:
                 learned.sizes.append(count)
         first = next(iter(plan.current))
@@ -164,3 +174,4 @@ class BucketPlanner:
         while len(plan.plans) > self.MAX_PLANS:
             plan.plans.pop(next(iter(plan.plans)))
         plan.current = {}
+        plan.on_device = False

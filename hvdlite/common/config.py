@@ -54,8 +54,8 @@ VARIABLES: tuple[Var, ...] = (
     _v("BUCKET_CAP_MB", "float", 25.0, "steady-state gradient buckets: an allreduce waits until "
        "its bucket (about this many MB, in the order the last step submitted them) is complete; "
        "0 sends each as soon as every rank has it (Horovod's behaviour). With neither this nor "
-       "FIRST_BUCKET_MB set, a host running more ranks than cores sends a step's gradients as "
-       "one bucket", _L),
+       "FIRST_BUCKET_MB set, a host with no more cores than ranks sends a step's CPU "
+       "gradients as one bucket", _L),
     _v("FIRST_BUCKET_MB", "float", 1.0, "size of the first bucket of a step (small, so transfer "
        "starts early)", _L),
     _v("MPI_WAIT", "str", "auto", "`spin`, `yield` or `auto`: how MPI waits use the core; auto "
@@ -289,8 +289,11 @@ class Settings:
     # Gradient buckets in the steady state (buckets.py), torch DDP's defaults; 0 turns them off.
     bucket_cap_bytes: int = 25 * 1024 * 1024
     first_bucket_bytes: int = 1024 * 1024
-    # Whether the user chose the bucket sizes (else buckets.sizes_for_host may change them).
+    # Whether the user chose the bucket sizes (else buckets.whole_pass_on_host may apply).
     buckets_explicit: bool = False
+    # Set at init on a host with no core to spare per rank: a pass of CPU tensors is one
+    # bucket (buckets.whole_pass_on_host).
+    cpu_whole_pass: bool = False
     stall_check_disable: bool = False
     stall_warning_s: float = 60.0
     # Horovod never shuts down on a stall (0). A silent hang is the top complaint of its users, so

@@ -308,7 +308,8 @@ class Engine:
         self._waiter: RoundWaiter | None = None
         # Gradient buckets (buckets.py): steady-state allreduces held back until their bucket
         # is complete, as (entry, set, bucket, deadline); a waiter sets _flush.
-        self.buckets = BucketPlanner(settings.bucket_cap_bytes, settings.first_bucket_bytes) \
+        self.buckets = BucketPlanner(settings.bucket_cap_bytes, settings.first_bucket_bytes,
+                                     settings.cpu_whole_pass) \
             if settings.steady_state else BucketPlanner(0, 0)
         self._held: list = []
         self._flush = False
@@ -843,7 +844,8 @@ class Engine:
                 boundary = boundary or marks[0] >= self._observed_seq   # ...and after the last
                 marks.popleft()
             self._observed_seq = e.seq
-            new_pass, bucket = self.buckets.observe(sid, req.name, req.nbytes(), now, boundary)
+            new_pass, bucket = self.buckets.observe(sid, req.name, req.nbytes(), now, boundary,
+                                                    req.device >= 0)
             if new_pass:                  # a new step began: whatever the last one held goes
                 go[:0] = [h[0] for h in self._held if h[1] == sid]
                 self._held = [h for h in self._held if h[1] != sid]

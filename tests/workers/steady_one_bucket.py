@@ -1,6 +1,6 @@
-"""Gradient buckets on a host with more ranks than cores (hvdlite/common/buckets.py,
-sizes_for_host): a step's allreduces, submitted one by one with compute between them, go out as
-one bucket, where a host with a core per rank sends a small first bucket and the rest.
+"""Gradient buckets on a host with no core to spare per rank (hvdlite/common/buckets.py,
+whole_pass_on_host): a step's allreduces, submitted one by one with compute between them, go
+out as one bucket, where a host with cores to spare sends a small first bucket and the rest.
 
 Each rank pins itself to one core before hvd.init(), so 2 ranks share 1 core as hvdlite sees
 it. Argument `auto`: no bucket variable set, one bucket per step expected. `explicit`: the test
