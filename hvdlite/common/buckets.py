@@ -104,9 +104,10 @@ class BucketPlanner:
     def observe(self, set_id: int, name: str, nbytes: int, now: float | None = None,
                 boundary: bool = False, on_device: bool = False) -> tuple[bool, int]:
         """Record a submission (in submission order); `boundary` says a caller waited for
-        results since the previous submission, `on_device` that the tensor is on a GPU. Returns (new_pass, bucket): new_pass says a pass
-        just ended (anything still held should go), bucket is the index of the name's bucket if
-        it is held back for it, else -1 (release now)."""
+        results since the previous submission, `on_device` that the tensor is on a GPU.
+        Returns (new_pass, bucket): new_pass says a pass just ended (anything still held should
+        go), bucket is the index of the name's bucket if it is held back for it, else -1
+        (release now)."""
         now = time.monotonic() if now is None else now
         plan = self._sets.get(set_id)
         if plan is None:                 # (setdefault built a _SetPlan on every call)
