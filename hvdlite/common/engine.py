@@ -614,9 +614,9 @@ class Engine:
         try:
             gen = self.executor.allreduce(comm, resp, [e.tensor], [e.output])
             work = next(gen)
-            if spin_s and (detached or e.request.nbytes() <= INLINE_POLL_BYTES):
-                poll_s = spin_s if e.request.nbytes() <= INLINE_POLL_BYTES else BLOCKING_POLL_S
-                work = self._poll_inline(gen, work, poll_s)
+            small = e.request.nbytes() <= INLINE_POLL_BYTES
+            if spin_s and (small or detached):
+                work = self._poll_inline(gen, work, spin_s if small else BLOCKING_POLL_S)
                 if work is None:
                     return self._express_done(seq, resp, e, detached)
         except StopIteration:
