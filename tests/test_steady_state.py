@@ -11,9 +11,12 @@ Worker: tests/workers/steady_state.py, one `CHECK <name> OK|FAIL` line per check
 - process_set: a static set [0, 1] reaches its own steady state beside the global one;
 - one-member sets (workers/steady_solo.py): a one-rank job, and a set of one rank beside the
   global set, release cached tensors on the caller's thread.
-On MPI the rounds run on the transport; workers/steady_mpi_rounds.py checks that path on 2 ranks
-(callers driving their own round on the express lane, the round waiter, async steps, crossed
-submission orders, a large synchronous allreduce, a changed shape).
+On MPI, and on gloo's shared-memory path (the default on one host) while every rank has a
+core, the rounds run on the transport; the gloo run (3 ranks, over the control connections on
+a 2-core machine) repeats with HVDLITE_SHM=0, which keeps them there on any machine.
+workers/steady_transport_rounds.py checks the transport's path on 2 ranks of each (callers
+driving their own round on the express lane, the round waiter, async steps, crossed submission
+orders, a large synchronous allreduce, a changed shape).
 The stall case (a rank that stops submitting) is in test_errors.py.
 """
 from __future__ import annotations
@@ -39,6 +42,12 @@ def test_steady_state_gloo(gloo_run, name):
 @pytest.mark.timeout(180)
 def test_steady_state_gloo_finished(gloo_run):
     gloo_run.finished()
+
+
+@pytest.mark.timeout(180)
+def test_steady_state_gloo_control_connections():
+    """Without shared memory, rounds go over the control connections between the ranks."""
+    _all_checks(Run("steady_state.py", 3, env={"HVDLITE_SHM": "0"}, timeout=150), CHECKS)
 
 
 class MpiRun(Run):
@@ -78,19 +87,23 @@ def test_steady_state_mpi(mpi_run):
     _all_checks(mpi_run, CHECKS)
 
 
-MPI_ROUNDS_CHECKS = ["inline", "express", "waiter", "async", "crossed", "large", "changed_shape"]
-
-
-@pytest.fixture(scope="module")
-def mpi_rounds_run():
-    return _mpi("steady_mpi_rounds.py", 2)
+ROUNDS_CHECKS = ["inline", "express", "waiter", "async", "crossed", "large", "changed_shape"]
 
 
 @pytest.mark.timeout(180)
-def test_steady_rounds_on_mpi(mpi_rounds_run):
+def test_steady_rounds_on_mpi():
     """Rounds as one MPI allreduce (steady.TransportRound): caller-driven synchronous calls, a
-    late rank (the round waiter), async steps, a changed shape (workers/steady_mpi_rounds.py)."""
-    _all_checks(mpi_rounds_run, MPI_ROUNDS_CHECKS)
+    late rank (the round waiter), async steps, a changed shape
+    (workers/steady_transport_rounds.py)."""
+    _all_checks(_mpi("steady_transport_rounds.py", 2), ROUNDS_CHECKS)
+
+
+@pytest.mark.timeout(180)
+def test_steady_rounds_on_shared_memory():
+    """The same checks with rounds through the shared-memory segment (shm.ShmAgreement) and
+    small collectives run on the caller's thread (gloo's default path on one host)."""
+    _all_checks(Run("steady_transport_rounds.py", 2, env={"HVDLITE_SHM": "1"}, timeout=150),
+                ROUNDS_CHECKS)
 
 
 SOLO_CHECKS = ["solo_hits", "solo_finished_handle", "solo_changed_shape", "solo_many_async",

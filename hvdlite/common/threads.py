@@ -30,6 +30,17 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def local_ranks(default: int) -> int:
+    """How many ranks of this job run on this host, from the launcher's environment
+    (hvdlite-run/horovodrun, MPICH, Open MPI, MVAPICH); `default` when none says."""
+    for var in ("HOROVOD_LOCAL_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                "MV2_COMM_WORLD_LOCAL_SIZE"):
+        value = os.environ.get(var)
+        if value and value.isdigit():
+            return int(value)
+    return default
+
+
 def fair_share(local_size: int, cores: int | None = None) -> int:
     """Cores per rank on this host, at least 1."""
     cores = usable_cores() if cores is None else cores

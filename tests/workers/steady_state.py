@@ -14,6 +14,8 @@ import torch
 
 import hvdlite.torch as hvd
 from hvdlite.common import basics
+from hvdlite.common.backends import shm
+from hvdlite.common.threads import usable_cores
 from ops_common import (check, fail, finish, gen, no_threads_left, same, shape_mismatch,
                         steady_delta)
 
@@ -55,13 +57,21 @@ def steady_hits():
     if d["steady_released"] != 9 * (len(SHAPES) + 1):
         fail(f"steady rounds released {d['steady_released']} tensors, expected "
              f"{9 * (len(SHAPES) + 1)}")
-    # Where the rounds ran: on MPI as one allreduce each (no control messages between the
-    # ranks), elsewhere over the control connections.
+    # Where the rounds ran: on the transport (MPI: one allreduce each; gloo's shared memory
+    # while every rank has a core: its agreement area), with no control message between the
+    # ranks; else (gloo with more ranks than cores, or HVDLITE_SHM=0) over the control
+    # connections.
     rounds, on_transport, peer = d["steady_rounds"], d["transport_rounds"], d["peer_messages"]
-    if hvd.mpi_enabled() and (on_transport != rounds or peer != 0):
-        fail(f"MPI: {on_transport} of {rounds} rounds on the transport, {peer} peer messages")
-    if not hvd.mpi_enabled() and (on_transport != 0 or peer == 0):
-        fail(f"gloo: {on_transport} rounds on the transport, {peer} peer messages")
+    agreement = basics._state.engine.comms[(0, "cpu")].agreement is not None
+    fits = hvd.local_size() <= usable_cores()
+    if agreement != (hvd.mpi_enabled() or (shm.mode() == "on" and fits)):
+        fail(f"rounds on the transport: {agreement}, with MPI {hvd.mpi_enabled()}, the "
+             f"shared-memory path {shm.mode()}, {hvd.local_size()} ranks on "
+             f"{usable_cores()} cores")
+    if agreement and (on_transport != rounds or peer != 0):
+        fail(f"{on_transport} of {rounds} rounds on the transport, {peer} peer messages")
+    if not agreement and (on_transport != 0 or peer == 0):
+        fail(f"{on_transport} rounds on the transport, {peer} peer messages")
 
 
 def changed_shape():

@@ -44,6 +44,16 @@ class GlooCommunicator:
                                         datetime.timedelta(seconds=timeout_s))
         self.shm = shm.connect(dist.PrefixStore(prefix + "shm/", store), rank, size, timeout_s,
                                self._all_agree)
+        # With shared memory, and while every rank has a core (the channel spins), the steady
+        # state's rounds run through the segment (shm.ShmAgreement) and the engine may poll a
+        # small collective (which then runs on its own thread: ShmChannel._submit) instead of
+        # handing it to its finisher. When ranks outnumber cores, rounds stay on the control
+        # connections: a round waited for there wakes its thread when the peers' answer
+        # arrives, where a round in shared memory would be polled (4 ranks on 2 cores ran the
+        # MLP step 42 -> 47 ms so).
+        spin = self.shm is not None and self.shm.spin_s > 0
+        self.agreement = self.shm.agreement if spin else None
+        self.inline_poll_s = self.shm.spin_s if spin else 0.0
 
     def _all_agree(self, ok: bool) -> bool:
         """True on every rank when `ok` is True on every rank (one gloo allreduce)."""

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .. import config
-from ..threads import usable_cores
+from ..threads import local_ranks as _local_ranks, usable_cores
 from ..messages import MAX, MIN, PRODUCT, SUM
 
 try:
@@ -38,15 +38,6 @@ def _ops() -> dict:
     if not _OPS:
         _OPS.update({SUM: MPI.SUM, MIN: MPI.MIN, MAX: MPI.MAX, PRODUCT: MPI.PROD})
     return _OPS
-
-
-def _local_ranks(default: int) -> int:
-    for var in ("HOROVOD_LOCAL_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
-                "MV2_COMM_WORLD_LOCAL_SIZE"):
-        value = os.environ.get(var)
-        if value and value.isdigit():
-            return int(value)
-    return default
 
 
 def wait_mode(local_ranks: int | None = None) -> str:

@@ -46,11 +46,11 @@ cores see them, so `auto` enables this path there only (HVDLITE_SHM=1 forces it 
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
 import mmap
 import os
 import platform
-import queue
 import secrets
 import select
 import threading
@@ -61,14 +61,30 @@ import numpy as np
 import torch
 
 from .. import config
+from ..threads import local_ranks, usable_cores
 from ..messages import MAX, MIN, PRODUCT, SUM
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
+# The widest steady-state round (cache bits) the segment's agreement area carries; a wider one
+# (a response cache over 4096 entries) runs its rounds over the control connections instead.
+AGREE_BITS = 4096
+_AGREE_WORDS = 1 + AGREE_BITS // 64            # the fallback word, then the bits
+# Per rank: its round counter on a cache line of its own, then two rounds' words.
+_AGREE_STRIDE = (64 + 2 * _AGREE_WORDS * 8 + 63) // 64 * 64
+# An allreduce this small is reduced whole by every rank (ShmChannel._allreduce_direct).
+DIRECT_BYTES = 64 << 10
+# A collective this small may run on the thread that submits it (ShmChannel._submit).
+INLINE_BYTES = 1 << 20
+# How long that thread spins for its peers before the worker thread takes the collective over.
+INLINE_POLL_S = 250e-6
+
+
 def header_bytes(size: int) -> int:
-    """Token, then one counter per rank on its own cache line; pages, so slots stay aligned."""
-    return (64 * (size + 1) + 4095) // 4096 * 4096
+    """Token, then one counter per rank on its own cache line, then each rank's agreement area
+    (ShmAgreement); whole pages, so slots stay aligned."""
+    return (64 * (size + 1) + _AGREE_STRIDE * size + 4095) // 4096 * 4096
 _FNS: dict[int, Callable] = {SUM: torch.add, MIN: torch.minimum, MAX: torch.maximum,
                              PRODUCT: torch.mul}
 _REDUCIBLE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
@@ -101,10 +117,18 @@ class ShmError(RuntimeError):
 
 
 class _Work:
-    """Pending shared-memory collective: `wait()` blocks until the channel's worker ran it."""
+    """Pending shared-memory collective: `wait()` blocks until the channel ran it.
+
+    Completion is a flag and a lock held until then (as engine.Handle's): a threading.Event
+    cost ~8 us to create and set, a quarter of a small collective run on its caller's thread.
+    """
+
+    __slots__ = ("_set", "_latch", "_error", "_timeout_s", "_lock", "_then")
 
     def __init__(self, timeout_s: float):
-        self._done = threading.Event()
+        self._set = False
+        self._latch = threading.Lock()
+        self._latch.acquire()
         self._error: Optional[BaseException] = None
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
@@ -113,8 +137,9 @@ class _Work:
     def _finish(self, error: Optional[BaseException] = None) -> None:
         self._error = error
         with self._lock:
-            self._done.set()
+            self._set = True
             then, self._then = self._then, None
+        self._latch.release()
         if then is not None:
             then()
 
@@ -125,20 +150,101 @@ class _Work:
         handles) instead of waking its finisher thread to do it: one thread wake-up less
         between the data landing and the caller seeing it."""
         with self._lock:
-            if not self._done.is_set():
+            if not self._set:
                 self._then = fn
                 return
         fn()
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._set
 
     def wait(self) -> None:
         # The worker bounds every phase by the timeout; the margin only guards against a bug.
-        if not self._done.wait(self._timeout_s + 60.0):
-            raise ShmError("shared-memory collective: the worker thread stopped answering")
+        if not self._set:
+            if not self._latch.acquire(timeout=self._timeout_s + 60.0):
+                raise ShmError("shared-memory collective: the worker thread stopped answering")
+            self._latch.release()     # let any other waiter through too
         if self._error is not None:
             raise self._error
+
+
+class ShmAgreement:
+    """The steady state's rounds (steady.py) through the segment: what Agreement is on MPI.
+
+    Why: over the control connections a round costs a message each way between the ranks'
+    background threads, woken by TCP loopback (~0.5 ms of a 4 KiB allreduce's 0.66 ms on 2
+    ranks), while the ranks share memory and can read each other's bits.
+
+    A round is (AND of bits, OR of fallback flags). Rank r's area holds its round counter and
+    two rounds' words (the fallback flag, then the bits as 64-bit words); round k uses the
+    words of parity k % 2. start() writes the words, then raises the counter (x86-64 keeps
+    stores in order, as the data path assumes); test() is true once every counter reached k,
+    and value() combines the words. Every rank starts the rounds of a set in the same order
+    (as MPI matches them by call order), so a peer's counter is k or k + 1 while this rank is
+    in round k: no rank can start round k + 2, and overwrite round k's words, before every
+    rank has started k + 1, after reading round k. One thread at a time starts and tests
+    rounds (the engine's contract for TransportRound).
+    """
+
+    max_width = AGREE_BITS
+
+    def __init__(self, seg: mmap.mmap, rank: int, size: int, offset: int):
+        stride = _AGREE_STRIDE // 8
+        # Words read and written one at a time as Python ints: numpy's calls cost more than
+        # the few words of a round (64 bits or fewer for most models).
+        self._mv = memoryview(seg)[offset:offset + size * _AGREE_STRIDE].cast("Q")
+        self._ctrs = [r * stride for r in range(size)]
+        self._words = [r * stride + 8 for r in range(size)]    # parity p: + p * _AGREE_WORDS
+        self._rank = rank
+        self._round = 0
+
+    def start(self, bits: int, fallback: bool, width: int) -> "ShmAgreementRequest":
+        if width > AGREE_BITS:
+            raise ValueError(f"a round of {width} bits exceeds the agreement's {AGREE_BITS}")
+        n = (max(width, 1) + 63) // 64
+        k = self._round = self._round + 1
+        mv, base = self._mv, self._words[self._rank] + (k & 1) * _AGREE_WORDS
+        mv[base] = 1 if fallback else 0
+        for j in range(n):
+            mv[base + 1 + j] = (bits >> (64 * j)) & _WORD
+        mv[self._ctrs[self._rank]] = k         # after the words (see the class docstring)
+        return ShmAgreementRequest(self, k, n)
+
+    def close(self) -> None:
+        """Release the view of the segment, so its mapping can close."""
+        self._mv.release()
+
+
+_WORD = (1 << 64) - 1
+
+
+class ShmAgreementRequest:
+    """One round in flight: `test()` polls, `value()` decodes it (see ShmAgreement)."""
+
+    __slots__ = ("agreement", "k", "n")
+
+    def __init__(self, agreement: ShmAgreement, k: int, n: int):
+        self.agreement, self.k, self.n = agreement, k, n
+
+    def test(self) -> bool:
+        mv, k = self.agreement._mv, self.k
+        for c in self.agreement._ctrs:
+            if mv[c] < k:
+                return False
+        return True
+
+    def value(self) -> tuple[int, bool]:
+        ag, n = self.agreement, self.n
+        mv, off = ag._mv, (self.k & 1) * _AGREE_WORDS
+        bits, fallback = 0, False
+        for j in range(n):
+            word = _WORD
+            for base in ag._words:
+                word &= mv[base + off + 1 + j]
+            bits |= word << (64 * j)
+        for base in ag._words:
+            fallback = fallback or mv[base + off] != 0
+        return bits, fallback
 
 
 class ShmChannel:
@@ -149,8 +255,14 @@ class ShmChannel:
     """
 
     def __init__(self, rank: int, size: int, timeout_s: float, slot: int, seg: mmap.mmap,
-                 pids: dict[int, int], fifo_r: int, fifo_w: dict[int, int], own_w: int):
+                 pids: dict[int, int], fifo_r: int, fifo_w: dict[int, int], own_w: int,
+                 spin_s: float = 0.0):
         self.rank, self.size, self.timeout_s, self.slot = rank, size, timeout_s, slot
+        # > 0 while every rank of this host has a core: small collectives then run on the
+        # submitting thread, spinning for the peers this long (_submit).
+        self.spin_s = spin_s
+        self._peers = [r for r in range(size) if r != rank]
+        self.agreement = ShmAgreement(seg, rank, size, 64 * (size + 1))
         self._seg = seg
         self._pids = pids
         # Counters: int64 at byte 64 * (rank + 1) (byte 0 holds the token).
@@ -160,48 +272,59 @@ class ShmChannel:
                                            offset=header_bytes(size) + r * slot) for r in range(size)}
         self._result = torch.frombuffer(seg, dtype=torch.uint8, count=slot,
                                         offset=header_bytes(size) + size * slot)
+        self._typed: dict[tuple, torch.Tensor] = {}     # _view's typed slots
         self._fifo_r, self._fifo_w, self._own_w = fifo_r, fifo_w, own_w
         self._seq = 0
         self._end = 0                 # my counter after the last chunk's copy-out
         self._broken: Optional[BaseException] = None
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        # Collectives not yet run, in order: (work, generator, the wait it stopped at or None).
+        self._jobs: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self._busy = False            # a collective is running (on the worker or inline)
+        self._stopping = False
         self._thread: Optional[threading.Thread] = None
-        self._lock = threading.Lock()
         self.ops = 0                  # collectives run, for tests and diagnostics
+        self.inline_ops = 0           # of which ran to the end on the submitting thread
 
     # ------------------------------------------------------------------ public
     def handles(self, tensor: torch.Tensor, reduce: bool) -> bool:
         """Whether this path can run a collective on `tensor` (else the caller uses gloo)."""
-        return (tensor.device.type == "cpu" and tensor.is_contiguous()
+        # (is_cpu: tensor.device builds a torch.device object, ~0.5 us, twice per collective.)
+        return (tensor.is_cpu and tensor.is_contiguous()
                 and (not reduce or tensor.dtype in _REDUCIBLE))
 
     def allreduce(self, tensor: torch.Tensor, op: int) -> _Work:
         flat = tensor.view(-1)
-        return self._submit(self._allreduce, [flat], [flat], _FNS[op], 1.0, 1.0)
+        return self._submit(self._allreduce(
+            [flat], [flat], _FNS[op], 1.0, 1.0), flat.numel() * flat.element_size())
 
     def allreduce_tensors(self, inputs: list, outputs: list, op: int, prescale: float,
                           postscale: float) -> _Work:
         """Allreduce `inputs` (all of one dtype) as one fused buffer into `outputs` (None:
         dropped), times prescale before and postscale after, without a fusion buffer."""
-        return self._submit(self._allreduce,
-                            [t.reshape(-1) for t in inputs],
-                            [o.view(-1) if o is not None else None for o in outputs],
-                            _FNS[op], prescale, postscale)
+        ins = [t.reshape(-1) for t in inputs]
+        return self._submit(self._allreduce(
+            ins, [o.view(-1) if o is not None else None for o in outputs], _FNS[op], prescale,
+            postscale), sum(t.numel() for t in ins) * (ins[0].element_size() if ins else 0))
 
     def reducescatter(self, output: torch.Tensor, tensor: torch.Tensor, op: int) -> _Work:
-        return self._submit(self._reducescatter, output.view(-1), tensor.view(-1), _FNS[op])
+        return self._submit(self._reducescatter(output.view(-1), tensor.view(-1), _FNS[op]),
+                            tensor.numel() * tensor.element_size())
 
     def allgather(self, output: torch.Tensor, tensor: torch.Tensor) -> _Work:
-        return self._submit(self._allgather, output.view(-1), tensor.view(-1))
+        return self._submit(self._allgather(output.view(-1), tensor.view(-1)),
+                            output.numel() * output.element_size())
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> _Work:
-        return self._submit(self._broadcast, tensor.view(-1), root)
+        return self._submit(self._broadcast(tensor.view(-1), root),
+                            tensor.numel() * tensor.element_size())
 
     def close(self) -> None:
-        with self._lock:
+        with self._cv:
             thread, self._thread = self._thread, None
+            self._stopping = True
+            self._cv.notify_all()
         if thread is not None:
-            self._queue.put(None)
             thread.join(timeout=5.0)
             if thread.is_alive():
                 # Still inside a wait (a peer died mid-collective): closing its FIFO could hand
@@ -216,35 +339,103 @@ class ShmChannel:
                 pass
         self._fifo_w = {}
         self._slots.clear()
+        self._typed.clear()
         self._ctr.clear()
         self._ctr_all = self._result = None
+        self.agreement.close()
         try:
             self._seg.close()
         except (BufferError, ValueError):
             pass  # a tensor view still alive; the mapping goes with the process
 
     # ------------------------------------------------------------------ worker
-    def _submit(self, fn, *args) -> _Work:
+    def _submit(self, job, nbytes: int) -> _Work:
+        """Run the collective `job` (a generator of the phases' waits) after every earlier one.
+
+        A small one (up to INLINE_BYTES) on an idle channel runs on this thread while every rank
+        of the host has a core (spin_s > 0), spinning on the peers' counters: handing it to the
+        worker cost a thread wake-up there and another back, and each sleeping wait a FIFO
+        wake-up: ~0.7 ms for 4 KiB on 2 ranks, where the copies and the reduction take a few
+        microseconds. If the peers have not arrived within spin_s, the worker takes the
+        collective over at the wait it stopped at, ahead of anything submitted since, so the
+        submitting thread (the engine's, or a caller holding its drive lock) is never held
+        longer than that by a late or dead peer."""
         work = _Work(self.timeout_s)
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="hvdlite-shm",
-                                                daemon=True)
-                self._thread.start()
-        self._queue.put((work, fn, args))
+        with self._cv:
+            inline = (self.spin_s > 0 and nbytes <= INLINE_BYTES and not self._busy
+                      and not self._jobs and self._broken is None)
+            if inline:
+                self._busy = True
+            else:
+                self._enqueue((work, job, None), front=False)
+        if inline:
+            stopped = self._run_inline(work, job)
+            with self._cv:
+                self._busy = False
+                if stopped is not None:
+                    self._enqueue((work, job, stopped), front=True)
+                elif self._jobs:
+                    self._cv.notify()
         return work
+
+    def _enqueue(self, item: tuple, front: bool) -> None:
+        """Queue a collective for the worker (started on first use); self._cv held."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="hvdlite-shm", daemon=True)
+            self._thread.start()
+        if front:
+            self._jobs.appendleft(item)
+        else:
+            self._jobs.append(item)
+        self._cv.notify()
+
+    def _run_inline(self, work: _Work, job) -> Optional[tuple]:
+        """Run `job` here, spinning at each wait until spin_s has passed since it began.
+        Returns None once it finished (work completed), else the (target, what) it stopped at."""
+        deadline = time.perf_counter() + self.spin_s
+        try:
+            for target, what in job:
+                if not self._spin(target, deadline):
+                    return target, what
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            self._broken = exc
+            work._finish(exc)
+            return None
+        self.ops += 1
+        self.inline_ops += 1
+        work._finish()
+        return None
+
+    def _spin(self, target: int, deadline: float) -> bool:
+        """Until every peer's counter reached `target`; False at `deadline`."""
+        ctr, peers = self._ctr, self._peers
+        while True:
+            for r in peers:
+                if ctr[r][0] < target:
+                    break
+            else:
+                return True
+            if time.perf_counter() >= deadline:
+                return False
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            work, fn, args = item
+            with self._cv:
+                while (not self._jobs or self._busy) and not self._stopping:
+                    self._cv.wait()
+                if not self._jobs:
+                    return
+                work, job, stopped = self._jobs.popleft()
+                self._busy = True
             if self._broken is not None:
+                job.close()
                 work._finish(self._broken)
             else:
                 try:
-                    fn(*args)
+                    if stopped is not None:
+                        self._wait(*stopped)
+                    for target, what in job:
+                        self._wait(target, what)
                     self.ops += 1
                     work._finish()
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiter
@@ -252,13 +443,15 @@ class ShmChannel:
                     # alike.
                     self._broken = exc
                     work._finish(exc)
+            with self._cv:
+                self._busy = False
             # Unbind before waiting for the next collective: the arguments are views of the
             # caller's inputs and outputs. Left bound, the last collective of a step kept its
             # buffers referenced until the next step: the TensorFlow frontend could not reuse
             # its output buffers (it checks their reference count) and TensorFlow could not
             # reuse its gradients' memory, so every step faulted in fresh pages (~750 page
             # faults and ~8 ms of system time per step on the Keras benchmark's MLP).
-            item = work = fn = args = None
+            work = job = stopped = None
 
     # ------------------------------------------------------------------ phases
     def _publish(self) -> int:
@@ -304,16 +497,21 @@ class ShmChannel:
                     f"{self.timeout_s:.0f} s; rank {self.rank} gave up (raise the transport "
                     f"timeout, HOROVOD_GLOO_TIMEOUT_SECONDS, if they are only slow)")
 
-    def _begin_chunk(self, what: str) -> None:
-        self._wait(self._end, what)   # peers finished the previous chunk
-
     def _end_chunk(self) -> None:
         self._end = self._publish()
 
     def _view(self, r: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        return self._slots[r][:nbytes].view(dtype)
+        """The first `nbytes` of rank r's slot (r = -1: the result area) as `dtype`. The typed
+        views are made once: a slice and a view per call cost ~3 us, several per chunk."""
+        whole = self._typed.get((r, dtype))
+        if whole is None:
+            area = self._result if r < 0 else self._slots[r]
+            whole = self._typed[(r, dtype)] = area.view(dtype)
+        return whole[:nbytes // whole.element_size()]
 
     # ------------------------------------------------------------------ collectives
+    # Each is a generator: it yields (counter target, what) where it must wait for every peer,
+    # and the thread running it waits (_run: sleeping; _run_inline: spinning).
     def _allreduce(self, ins: list, outs: list, fn: Callable, pre: float, post: float) -> None:
         """Fused allreduce of the flat tensors `ins` into `outs` (see allreduce_tensors)."""
         counts = [t.numel() for t in ins]
@@ -326,9 +524,12 @@ class ShmChannel:
         offsets = [0]
         for c in counts:
             offsets.append(offsets[-1] + c)
+        if n * item <= min(DIRECT_BYTES, self.slot):
+            yield from self._allreduce_direct(ins, outs, fn, pre, post, offsets, dtype, item)
+            return
         for lo in range(0, n, per):
             m = min(per, n - lo)
-            self._begin_chunk("allreduce")
+            yield self._end, "allreduce"      # peers finished the previous chunk
             mine = self._view(rank, m * item, dtype)
             if m == n:
                 torch.cat(ins, out=mine) if len(ins) > 1 else mine.copy_(ins[0])
@@ -336,20 +537,44 @@ class ShmChannel:
                 for i, a, b in _pieces(offsets, lo, lo + m):
                     mine[a - lo:b - lo].copy_(ins[i][a - offsets[i]:b - offsets[i]])
             _scale(mine, pre)
-            self._wait(self._publish(), "allreduce (inputs)")
+            yield self._publish(), "allreduce (inputs)"
             a, b = rank * m // size, (rank + 1) * m // size
             if b > a:
-                res = self._result[:m * item].view(dtype)[a:b]
+                res = self._view(-1, m * item, dtype)[a:b]
                 fn(self._view(0, m * item, dtype)[a:b], self._view(1, m * item, dtype)[a:b],
                    out=res)
                 for r in range(2, size):
                     fn(res, self._view(r, m * item, dtype)[a:b], out=res)
-            self._wait(self._publish(), "allreduce (reduction)")
-            res = self._result[:m * item].view(dtype)
+            yield self._publish(), "allreduce (reduction)"
+            res = self._view(-1, m * item, dtype)
             for i, a, b in _pieces(offsets, lo, lo + m):
                 if outs[i] is not None:
                     _copy_scaled(outs[i][a - offsets[i]:b - offsets[i]], res[a - lo:b - lo], post)
             self._end_chunk()
+
+    def _allreduce_direct(self, ins: list, outs: list, fn: Callable, pre: float, post: float,
+                          offsets: list, dtype: torch.dtype, item: int):
+        """A small allreduce in one chunk, where every rank reduces all of it into its own
+        outputs: one wait for the peers instead of two (the result area's phase), which is most
+        of a small collective's time. Every rank adds the slots in the same order, so all get
+        identical bits."""
+        n, size, rank = offsets[-1], self.size, self.rank
+        yield self._end, "allreduce"          # peers finished the previous chunk
+        mine = self._view(rank, n * item, dtype)
+        torch.cat(ins, out=mine) if len(ins) > 1 else mine.copy_(ins[0])
+        _scale(mine, pre)
+        yield self._publish(), "allreduce (inputs)"
+        one = len(outs) == 1 and outs[0] is not None
+        dst = outs[0] if one else torch.empty(n, dtype=dtype)
+        fn(self._view(0, n * item, dtype), self._view(1, n * item, dtype), out=dst)
+        for r in range(2, size):
+            fn(dst, self._view(r, n * item, dtype), out=dst)
+        self._end_chunk()
+        _scale(dst, post)
+        if not one:
+            for i, a, b in _pieces(offsets, 0, n):
+                if outs[i] is not None:
+                    outs[i].copy_(dst[a:b])
 
     def _reducescatter(self, output: torch.Tensor, flat: torch.Tensor, fn: Callable) -> None:
         size, rank = self.size, self.rank
@@ -361,9 +586,9 @@ class ShmChannel:
         per = max(1, self.slot // (item * size))    # elements per part per chunk
         for lo in range(0, n, per):
             m = min(per, n - lo)
-            self._begin_chunk("reducescatter")
+            yield self._end, "reducescatter"      # peers finished the previous chunk
             self._view(rank, size * m * item, flat.dtype).view(size, m).copy_(parts[:, lo:lo + m])
-            self._wait(self._publish(), "reducescatter (inputs)")
+            yield self._publish(), "reducescatter (inputs)"
             out = output[lo:lo + m]
             first = True
             for r in [rank] + [r for r in range(size) if r != rank]:
@@ -382,9 +607,9 @@ class ShmChannel:
         rows = output.view(size, n)
         for lo in range(0, n, self.slot):
             m = min(self.slot, n - lo)
-            self._begin_chunk("allgather")
+            yield self._end, "allgather"      # peers finished the previous chunk
             self._slots[rank][:m].copy_(flat[lo:lo + m])
-            self._wait(self._publish(), "allgather (inputs)")
+            yield self._publish(), "allgather (inputs)"
             for r in range(size):
                 rows[r, lo:lo + m].copy_(flat[lo:lo + m] if r == rank else self._slots[r][:m])
             self._end_chunk()
@@ -393,10 +618,10 @@ class ShmChannel:
         n, rank = flat.numel(), self.rank
         for lo in range(0, n, self.slot):
             m = min(self.slot, n - lo)
-            self._begin_chunk("broadcast")
+            yield self._end, "broadcast"      # peers finished the previous chunk
             if rank == root:
                 self._slots[rank][:m].copy_(flat[lo:lo + m])
-            self._wait(self._publish(), "broadcast (root's data)")
+            yield self._publish(), "broadcast (root's data)"
             if rank != root:
                 flat[lo:lo + m].copy_(self._slots[root][:m])
             self._end_chunk()
@@ -553,9 +778,17 @@ def connect(store, rank: int, size: int, timeout_s: float,
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+    if ok:
+        # Spin only while every rank of this host has a core of its own: a spinning rank
+        # would otherwise take the core from the one it waits for. Decided together, since it
+        # also decides where the steady state's rounds run (GlooCommunicator.agreement), and
+        # every rank of a set must run them alike (a rank pinned to fewer cores says no).
+        spin = agree(local_ranks(size) <= usable_cores())
     if ok and not why:
         own_w = fifo_w.pop(rank)             # held open, never written: no EOF on our FIFO
-        return ShmChannel(rank, size, timeout_s, slot, seg, pids, fifo_r, fifo_w, own_w)
+        spin_s = INLINE_POLL_S if spin else 0.0
+        return ShmChannel(rank, size, timeout_s, slot, seg, pids, fifo_r, fifo_w, own_w,
+                          spin_s)
     if wanted:
         log.info("shared-memory data path off for this communicator (%s); gloo carries it",
                  why or "another rank could not share memory with all the others")

@@ -1,7 +1,10 @@
-"""The steady state's rounds on the MPI transport (steady.TransportRound) on 2 ranks.
+"""The steady state's rounds on the transport (steady.TransportRound) on 2 ranks: one MPI
+allreduce each on MPI, the segment's agreement area on gloo's shared-memory path
+(backends/shm.py, ShmAgreement).
 
-2 ranks on this 2-core machine: MPI waits spin, so a synchronous call with nothing else in flight
-runs its round and its collective on the caller's thread (engine.Engine._drive_inline). Checks:
+2 ranks on this 2-core machine: waits spin, so a synchronous call with nothing else in flight
+runs its round and its collective on the caller's thread (engine.Engine._drive_inline; on
+shared memory the collective runs there too, ShmChannel._submit). Checks:
 - inline: synchronous allreduces, averages and broadcasts after the steady state are driven by
   the caller, rounds run on the transport (no control message between the ranks), results equal
   the reference;
@@ -35,7 +38,10 @@ from ops_common import (check, fail, finish, gen, no_threads_left, same, shape_m
 
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
-assert size == 2 and hvd.mpi_enabled(), "steady_mpi_rounds.py needs 2 ranks on MPI"
+hvd.broadcast(torch.zeros(1), 0, name="setup")      # the set's communicator exists from here
+comm = basics._state.engine.comms[(0, "cpu")]
+assert size == 2 and comm.agreement is not None, \
+    "steady_transport_rounds.py needs 2 ranks on MPI or on gloo's shared memory"
 
 
 def counters():
@@ -47,12 +53,16 @@ def long_spin():
     """A 2 s spin window instead of 250 us. Whether a round ends within the window depends on
     the scheduler (with one more busy process on this machine most did not); the long window
     takes timing out of the express lane's checks. The lane's code is the same."""
-    comm = basics._state.engine.comms[(0, "cpu")]
+    channel = getattr(comm, "shm", None)     # gloo: the shared-memory channel spins too
     spin, comm.inline_poll_s = comm.inline_poll_s, 2.0
+    if channel is not None:
+        channel_spin, channel.spin_s = channel.spin_s, 2.0
     try:
         yield
     finally:
         comm.inline_poll_s = spin
+        if channel is not None:
+            channel.spin_s = channel_spin
 
 
 def sync_step(k: int) -> None:
