@@ -4,8 +4,10 @@ Worker: tests/workers/shm_ops.py on 3 real ranks with a 4 KiB slot, so every col
 several chunks split unevenly over the ranks; results against a local reference, and a short
 training run against one process. Then the same worker with the path turned off on every rank,
 and on one rank only (every rank must then keep gloo). Last, two ranks in this test's own
-processes: a peer that never arrives is named after the transport timeout, a peer that exited
-is named within seconds, and no file is left in /dev/shm.
+processes: a small collective runs on the submitting thread, and a late peer hands it to the
+worker ahead of later ones; the steady state's rounds through the segment (ShmAgreement); a
+peer that never arrives is named after the transport timeout, a peer that exited is named
+within seconds, and no file is left in /dev/shm.
 """
 from __future__ import annotations
 
@@ -81,8 +83,8 @@ def _my_files() -> list[str]:
     return glob.glob(os.path.join(shm.SHM_DIR, f"hvdlite-{os.getpid()}-*"))
 
 
-@pytest.mark.timeout(60)
-def test_a_peer_that_never_arrives_is_named(monkeypatch):
+def _pair(monkeypatch, timeout_s: float) -> list:
+    """Two ranks' channels of one segment, both in this process."""
     monkeypatch.setenv("HVDLITE_SHM", "1")
     port = free_port()
     stores = [_store(port, True), None]
@@ -90,7 +92,7 @@ def test_a_peer_that_never_arrives_is_named(monkeypatch):
     channels = [None, None]
 
     def connect(r):
-        channels[r] = shm.connect(dist.PrefixStore("t1/", stores[r]), r, 2, 1.0,
+        channels[r] = shm.connect(dist.PrefixStore("t1/", stores[r]), r, 2, timeout_s,
                                   _agree(dist.PrefixStore("t1a/", stores[r]), r, 2))
 
     threads = [threading.Thread(target=connect, args=(r,)) for r in range(2)]
@@ -100,6 +102,72 @@ def test_a_peer_that_never_arrives_is_named(monkeypatch):
         t.join(30)
     assert channels[0] is not None and channels[1] is not None
     assert _my_files() == [], "segment files must be unlinked once every rank mapped them"
+    return channels
+
+
+@pytest.mark.timeout(60)
+def test_a_late_peer_hands_the_collective_to_the_worker(monkeypatch):
+    """A small collective runs on the submitting thread; when the peer is later than the spin
+    window, the worker finishes it from the wait it reached, before anything queued after it."""
+    channels = _pair(monkeypatch, 30.0)
+    try:
+        for c in channels:
+            c.spin_s = 0.01
+        a = [torch.full((1000,), float(r + 1)) for r in range(2)]
+        b = [torch.full((70_000,), float(10 * (r + 1))) for r in range(2)]   # past DIRECT_BYTES
+        first = channels[0].allreduce(a[0], SUM)           # spins 10 ms, then handed over
+        assert not first.is_completed() and channels[0].inline_ops == 0
+        second = channels[0].allreduce(b[0], SUM)          # queued behind the first
+        time.sleep(0.05)
+        late = [channels[1].allreduce(a[1], SUM), channels[1].allreduce(b[1], SUM)]
+        for w in [first, second] + late:
+            w.wait()
+        for r in range(2):
+            assert torch.equal(a[r], torch.full((1000,), 3.0))
+            assert torch.equal(b[r], torch.full((70_000,), 30.0))
+        assert channels[1].inline_ops >= 1, "the punctual rank ran its part on its own thread"
+        # With both ranks there, a small one runs to the end on the submitting thread.
+        x = [torch.full((10,), float(r)) for r in range(2)]
+        done = []
+        t = threading.Thread(target=lambda: done.append(channels[1].allreduce(x[1], SUM)))
+        t.start()
+        channels[0].allreduce(x[0], SUM).wait()
+        t.join(10)
+        done[0].wait()
+        assert torch.equal(x[0], torch.full((10,), 1.0)) and torch.equal(x[1], x[0])
+    finally:
+        for c in channels:
+            c.close()
+
+
+@pytest.mark.timeout(60)
+def test_agreement_rounds(monkeypatch):
+    """Rounds through the segment: AND of the bits, OR of the fallback flags, over more rounds
+    than the two sets of words (each round's words are reused two rounds later), wide ones too."""
+    channels = _pair(monkeypatch, 30.0)
+    try:
+        ags = [c.agreement for c in channels]
+        for k in range(6):
+            width = 64 if k < 4 else 300
+            bits = [(1 << 299 | 0b1011) if r == 0 else (1 << 299 | 0b0110 | k << 8)
+                    for r in range(2)]
+            bits = [b & ((1 << width) - 1) for b in bits]
+            req0 = ags[0].start(bits[0], fallback=(k == 3), width=width)
+            assert not req0.test(), "a round is not over before every rank started it"
+            req1 = ags[1].start(bits[1], fallback=False, width=width)
+            assert req0.test() and req1.test()
+            want = (bits[0] & bits[1], k == 3)
+            assert req0.value() == want and req1.value() == want
+        with pytest.raises(ValueError, match="exceeds"):
+            ags[0].start(0, False, shm.AGREE_BITS + 1)
+    finally:
+        for c in channels:
+            c.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_never_arrives_is_named(monkeypatch):
+    channels = _pair(monkeypatch, 1.0)
     try:
         # Both ranks run one allreduce together: the path works in this process.
         xs = [torch.full((3000,), float(r + 1)) for r in range(2)]
