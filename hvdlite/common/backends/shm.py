@@ -55,7 +55,7 @@ import secrets
 import select
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -79,6 +79,10 @@ DIRECT_BYTES = 64 << 10
 INLINE_BYTES = 1 << 20
 # How long that thread spins for its peers before the worker thread takes the collective over.
 INLINE_POLL_S = 250e-6
+
+
+# A collective's phases (ShmChannel's collectives): (counter target, what) at each wait.
+Waits = Iterator[tuple[int, str]]
 
 
 def header_bytes(size: int) -> int:
@@ -512,7 +516,7 @@ class ShmChannel:
     # ------------------------------------------------------------------ collectives
     # Each is a generator: it yields (counter target, what) where it must wait for every peer,
     # and the thread running it waits (_run: sleeping; _run_inline: spinning).
-    def _allreduce(self, ins: list, outs: list, fn: Callable, pre: float, post: float) -> None:
+    def _allreduce(self, ins: list, outs: list, fn: Callable, pre: float, post: float) -> Waits:
         """Fused allreduce of the flat tensors `ins` into `outs` (see allreduce_tensors)."""
         counts = [t.numel() for t in ins]
         n, size, rank = sum(counts), self.size, self.rank
@@ -553,7 +557,7 @@ class ShmChannel:
             self._end_chunk()
 
     def _allreduce_direct(self, ins: list, outs: list, fn: Callable, pre: float, post: float,
-                          offsets: list, dtype: torch.dtype, item: int):
+                          offsets: list, dtype: torch.dtype, item: int) -> Waits:
         """A small allreduce in one chunk, where every rank reduces all of it into its own
         outputs: one wait for the peers instead of two (the result area's phase), which is most
         of a small collective's time. Every rank adds the slots in the same order, so all get
@@ -576,7 +580,7 @@ class ShmChannel:
                 if outs[i] is not None:
                     outs[i].copy_(dst[a:b])
 
-    def _reducescatter(self, output: torch.Tensor, flat: torch.Tensor, fn: Callable) -> None:
+    def _reducescatter(self, output: torch.Tensor, flat: torch.Tensor, fn: Callable) -> Waits:
         size, rank = self.size, self.rank
         n = output.numel()
         if n == 0:
@@ -600,7 +604,7 @@ class ShmChannel:
                     fn(out, mine, out=out)
             self._end_chunk()
 
-    def _allgather(self, output: torch.Tensor, flat: torch.Tensor) -> None:
+    def _allgather(self, output: torch.Tensor, flat: torch.Tensor) -> Waits:
         n, size, rank = flat.numel(), self.size, self.rank
         if n == 0:
             return
@@ -614,7 +618,7 @@ class ShmChannel:
                 rows[r, lo:lo + m].copy_(flat[lo:lo + m] if r == rank else self._slots[r][:m])
             self._end_chunk()
 
-    def _broadcast(self, flat: torch.Tensor, root: int) -> None:
+    def _broadcast(self, flat: torch.Tensor, root: int) -> Waits:
         n, rank = flat.numel(), self.rank
         for lo in range(0, n, self.slot):
             m = min(self.slot, n - lo)
@@ -778,17 +782,16 @@ def connect(store, rank: int, size: int, timeout_s: float,
                 os.unlink(path)
             except FileNotFoundError:
                 pass
-    if ok:
-        # Spin only while every rank of this host has a core of its own: a spinning rank
-        # would otherwise take the core from the one it waits for. Decided together, since it
-        # also decides where the steady state's rounds run (GlooCommunicator.agreement), and
-        # every rank of a set must run them alike (a rank pinned to fewer cores says no).
-        spin = agree(local_ranks(size) <= usable_cores())
     if ok and not why:
         own_w = fifo_w.pop(rank)             # held open, never written: no EOF on our FIFO
-        spin_s = INLINE_POLL_S if spin else 0.0
+        # Spin only while every rank of this host has a core of its own: a spinning rank
+        # would otherwise take the core from the one it waits for. Decided together (every
+        # rank is here, since `ok` was agreed), as it also decides where the steady state's
+        # rounds run (GlooCommunicator.agreement), and every rank of a set must run them alike
+        # (a rank pinned to fewer cores says no).
+        spin = agree(local_ranks(size) <= usable_cores())
         return ShmChannel(rank, size, timeout_s, slot, seg, pids, fifo_r, fifo_w, own_w,
-                          spin_s)
+                          INLINE_POLL_S if spin else 0.0)
     if wanted:
         log.info("shared-memory data path off for this communicator (%s); gloo carries it",
                  why or "another rank could not share memory with all the others")
