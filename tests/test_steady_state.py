@@ -5,6 +5,8 @@ Worker: tests/workers/steady_state.py, one `CHECK <name> OK|FAIL` line per check
   no message to the coordinator (engine counters), results equal to the local reference;
 - buckets: a step's gradients, submitted one by one, go out as ~2 buckets (engine counters);
   synchronous calls are not held back for their bucket;
+- grouped: grouped allreduces reach the steady state too, released whole; one member's changed
+  shape on one rank raises the mismatch error naming it on every rank, and the job comes back;
 - changed_shape: a changed shape after the steady state falls back to full negotiation and
   raises today's mismatch error on every rank; the job returns to the steady state;
 - join: uneven inputs with hvd.join() across the steady state;
@@ -25,7 +27,7 @@ import pytest
 
 from util import Run
 
-CHECKS = ["steady_hits", "buckets", "changed_shape", "join", "process_set"]
+CHECKS = ["steady_hits", "buckets", "grouped", "changed_shape", "join", "process_set"]
 
 
 @pytest.fixture(scope="module")

@@ -564,7 +564,7 @@ class Coordinator:
             self._add_process_set(resp)
         elif resp.type == REMOVE_PROCESS_SET:
             self._remove_process_set(resp)
-        cacheable = (resp.type in CACHEABLE_TYPES and not s.joined and resp.group is None
+        cacheable = (resp.type in CACHEABLE_TYPES and not s.joined
                      and self.settings.cache_capacity > 0
                      and all(r.cacheable for r in reqs.values()))
         resp.cache_bits = [-1]
@@ -637,6 +637,9 @@ class Coordinator:
             entry = s.cache.by_bit[bit]
             s.cache.touch(entry)
             t = entry.template
+            if t.group is not None:
+                # A grouped op's hit: _release_ready holds it until its whole group is here.
+                self._group_sizes[(s.id, t.group)] = entry.group_size
             resp = Response(type=t.type, names=list(t.names), process_set_id=s.id, dtype=t.dtype,
                             shapes=list(t.shapes), reduce_op=t.reduce_op, prescale=t.prescale,
                             postscale=t.postscale, root_rank=t.root_rank, device=t.device,

@@ -444,7 +444,7 @@ class Engine:
                 if ok:
                     self.counters["inline_driven"] += 1
                     e.planned = True
-                    self._steady_add(st, e)
+                    self._steady_add(st, [e])
                     comm = self.comms.get((st.set_id, "cpu"))
                     spin_s = getattr(comm, "inline_poll_s", 0.0)
                     if e.sent_bit >= 0 and self._express_ok(e, comm):
@@ -883,15 +883,16 @@ class Engine:
             return
         if self.steady:
             rest = []
-            touched = set()
+            by_set: dict[int, list] = {}
             for e in entries:
-                st = self.steady.get(e.request.process_set_id)
-                if st is None:
-                    rest.append(e)
+                sid = e.request.process_set_id
+                if sid in self.steady:
+                    by_set.setdefault(sid, []).append(e)
                 else:
-                    self._steady_add(st, e)
-                    touched.add(st.set_id)
-            for sid in touched:
+                    rest.append(e)
+            for sid, mine in by_set.items():
+                self._steady_add(self.steady[sid], mine)
+            for sid in by_set:
                 self._steady_kick(self.steady[sid])
             entries = rest
         if entries:
@@ -1008,17 +1009,40 @@ class Engine:
         for msg in self._early.pop((sid, epoch), []):
             self._on_steady_msg(msg)
 
-    def _steady_add(self, st: SteadySet, e: Entry) -> None:
-        req = e.request
-        bit = self.cache.hit(req) if req.cacheable and req.group is None else -1
-        if bit >= 0 and bit not in st.pending:
-            e.sent_bit = bit
-            st.pending[bit] = e
-        else:
-            # First sight, a changed signature, join, a group...: full negotiation for all.
-            e.sent_bit = -1
-            st.held.append(e)
-            st.fallback = True
+    def _steady_add(self, st: SteadySet, entries: list) -> None:
+        """Offer `entries` (all of set `st`) to the set's next round, or hold them for the
+        fallback they raise.
+
+        A grouped op is offered whole or not at all: its members become pending bits only when
+        every member is here, in this call, and a cache hit. A group offered in part could have
+        some members released by a round and the rest sent to the coordinator by the fallback
+        that round raised, which would hold them for members that never come. Every rank
+        decides alike, so a round's common bits hold a group whole or not at all."""
+        whole = None
+        for e in entries:
+            req = e.request
+            e.sent_bit = self.cache.hit(req) if req.cacheable else -1
+            if req.group is not None:
+                if whole is None:
+                    whole = {}
+                seen = whole.get(req.group)
+                whole[req.group] = [1, e.sent_bit >= 0] if seen is None else \
+                    [seen[0] + 1, seen[1] and e.sent_bit >= 0]
+        for e in entries:
+            bit = e.sent_bit
+            group = e.request.group
+            if group is not None and bit >= 0:
+                count, hits = whole[group]
+                if not hits or count != e.request.group_size:
+                    bit = -1
+            if bit >= 0 and bit not in st.pending:
+                st.pending[bit] = e
+            else:
+                # First sight, a changed signature, join, part of a group...: full negotiation
+                # for all.
+                e.sent_bit = -1
+                st.held.append(e)
+                st.fallback = True
 
     def _steady_kick(self, st: SteadySet, spin_s: float = 0.0) -> None:
         """Start the set's next round if it has something to offer (drive lock held).
@@ -1127,8 +1151,7 @@ class Engine:
             if entries:
                 self._send_entries(entries, self.epochs)
             return
-        for e in entries:
-            self._steady_add(st, e)
+        self._steady_add(st, entries)
         self._steady_kick(st)
 
     def _steady_gone(self, sid: int, gone: list) -> None:

@@ -58,7 +58,7 @@ def fuse_responses(responses: list[Response], threshold: int,
         skipped_bytes = 0
         rest: list[Response] = []
         for i, cand in enumerate(pending):
-            size = cand.nbytes()
+            size = 0 if cand.error else cand.nbytes()     # an error moves no bytes
             if _compatible(fused, cand, group_fusion) and total + size <= threshold:
                 if cand.cache_bits is None:
                     cand.cache_bits = [-1] * len(cand.names)

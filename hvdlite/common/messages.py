@@ -76,9 +76,12 @@ class Request:
                                    # waits for a tensor this rank will never send
 
     def signature(self) -> tuple:
-        """What must stay equal for a cached response to be reused."""
+        """What must stay equal for a cached response to be reused.
+
+        The group too: a cached member of a group is released only with its whole group, so
+        the same name submitted in another group, or alone, is a different collective."""
         return (self.type, self.dtype, self.shape, self.reduce_op, self.prescale, self.postscale,
-                self.root_rank, self.device, self.process_set_id)
+                self.root_rank, self.device, self.process_set_id, self.group, self.group_size)
 
     def nbytes(self) -> int:
         return math.prod(self.shape) * ITEMSIZE.get(self.dtype, 1)

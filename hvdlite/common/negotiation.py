@@ -13,8 +13,11 @@ _FIX = ("Every rank must submit the same tensors, under the same names, in the s
 
 
 def _error(name: str, req: Request, message: str) -> Response:
+    # A grouped op's member keeps its group: the coordinator releases a group once every member
+    # has a response, failed or not. Without it, the rest of a group with one bad member waited
+    # for that member forever.
     return Response(type=ERROR, names=[name], process_set_id=req.process_set_id,
-                    error=message, dtype=req.dtype)
+                    error=message, dtype=req.dtype, group=req.group)
 
 
 def _dev(d: int) -> str:

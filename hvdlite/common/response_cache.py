@@ -19,6 +19,7 @@ class CacheEntry:
     bit: int
     template: Response                 # single-tensor response, cache_bits == [bit]
     requests: dict                     # set rank -> Request, to rebuild a hit as a full request
+    group_size: int = 0                # a grouped op's member: how many tensors its group has
 
 
 class CoordinatorCache:
@@ -34,7 +35,10 @@ class CoordinatorCache:
         self.evictions = 0
 
     def put(self, resp: Response, requests: dict) -> tuple[int, list[int]]:
-        """Cache a single-tensor response; returns (bit, evicted bits)."""
+        """Cache a single-tensor response; returns (bit, evicted bits).
+
+        A grouped op's members are cached one by one, each with its group's name and size, so
+        the coordinator can hold a released hit until the rest of its group is there."""
         bit = self.next_bit
         self.next_bit += 1
         template = copy.copy(resp)
@@ -43,7 +47,8 @@ class CoordinatorCache:
         template.rank_dims = list(resp.rank_dims) if resp.rank_dims is not None else None
         template.cache_bits = [bit]
         template.joined = ()
-        entry = CacheEntry(bit, template, dict(requests))
+        entry = CacheEntry(bit, template, dict(requests),
+                           max((r.group_size for r in requests.values()), default=0))
         self.by_name[resp.names[0]] = entry
         self.by_bit[bit] = entry
         self.valid_mask |= 1 << bit

@@ -38,6 +38,11 @@ expect_error(lambda: hvd.allreduce(torch.ones(3), name="w.scale", prescale_facto
              "w.scale", "prescale")
 expect_error(lambda: hvd.allgather(torch.ones(2, 3 + r), name="w.gather"), "w.gather",
              "first dimension")
+# One bad member of a grouped op fails the group on every rank; its other members do not wait
+# for that member forever.
+expect_error(lambda: hvd.grouped_allreduce([torch.ones(2), torch.ones(3 + r), torch.ones(4)],
+                                           name="w.group"),
+             "w.group.1", "[3]", "[4]", "rank 0", "rank 1")
 # The job is still healthy afterwards.
 out = hvd.allreduce(torch.ones(3) * r, name="after", op=hvd.Sum)
 assert out.tolist() == [sum(range(hvd.size()))] * 3

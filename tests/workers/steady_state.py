@@ -115,6 +115,50 @@ def process_set():
         step(k)
 
 
+def grouped():
+    """Grouped ops are cached member by member and released by the rounds, whole: a step of
+    grouped allreduces sends nothing to the coordinator once steady. One rank changing one
+    member's shape falls the set back, and every rank raises the mismatch error naming that
+    member (a group offered in part would have left the rest waiting for it); then the job
+    returns to the steady state."""
+    def gstep(k, shapes=SHAPES):
+        xs = [gen(rank, s, torch.float32, salt=("gr", i, k)) for i, s in enumerate(shapes)]
+        h = hvd.grouped_allreduce_async(xs, name="gr", op=hvd.Sum)
+        one = hvd.allreduce_async(gen(rank, (7,), torch.float32, salt=("gr1", k)), name="gr.one",
+                                  op=hvd.Sum)
+        for i, got in enumerate(hvd.synchronize(h)):
+            ref = sum(gen(r, shapes[i], torch.float32, salt=("gr", i, k)) for r in range(size))
+            same(got, ref, f"grouped step {k} member {i}")
+        ref = sum(gen(r, (7,), torch.float32, salt=("gr1", k)) for r in range(size))
+        same(hvd.synchronize(one), ref, f"grouped step {k} single")
+
+    d = steady_delta(gstep, range(3), range(3, 11))
+    if d["coordinator_messages"]:
+        fail(f"steady grouped steps sent {d['coordinator_messages']} messages to the "
+             f"coordinator: {d}")
+    if d["steady_released"] != 8 * (len(SHAPES) + 1):
+        fail(f"steady rounds released {d['steady_released']} tensors, expected "
+             f"{8 * (len(SHAPES) + 1)}")
+    entered = counters()["steady_entered"]
+    shapes = list(SHAPES)
+    if rank == 1:
+        shapes[2] = (65,)
+    xs = [torch.ones(s) for s in shapes]
+    try:
+        hvd.grouped_allreduce(xs, name="gr", op=hvd.Sum)
+    except hvd.HorovodInternalError as exc:
+        expected = ("Mismatched ALLREDUCE tensor shapes on tensor 'gr.2': rank 0 sent shape "
+                    "[64] but rank 1 sent shape [65].")
+        if expected not in str(exc):
+            fail(f"unexpected error: {exc}")
+    else:
+        fail("a grouped shape mismatch after the steady state did not raise")
+    for k in range(11, 17):
+        gstep(k)
+    if counters()["steady_entered"] <= entered:
+        fail(f"grouped steps did not return to the steady state: {counters()}")
+
+
 def buckets():
     """Gradient buckets (hvdlite/common/buckets.py): a step's allreduces, submitted one by one
     with compute between them, go out as a first small bucket and one bucket for the rest; a
@@ -164,6 +208,7 @@ def buckets():
 
 check("steady_hits", steady_hits)
 check("buckets", buckets)
+check("grouped", grouped)
 check("changed_shape", changed_shape)
 check("join", join_uneven)
 check("process_set", process_set)
