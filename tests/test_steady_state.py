@@ -7,6 +7,8 @@ Worker: tests/workers/steady_state.py, one `CHECK <name> OK|FAIL` line per check
   synchronous calls are not held back for their bucket;
 - grouped: grouped allreduces reach the steady state too, released whole; one member's changed
   shape on one rank raises the mismatch error naming it on every rank, and the job comes back;
+- barrier: a step with hvd.barrier() stays in the steady state, and the barrier still waits for
+  the last rank;
 - changed_shape: a changed shape after the steady state falls back to full negotiation and
   raises today's mismatch error on every rank; the job returns to the steady state;
 - join: uneven inputs with hvd.join() across the steady state;
@@ -27,7 +29,8 @@ import pytest
 
 from util import Run
 
-CHECKS = ["steady_hits", "buckets", "grouped", "changed_shape", "join", "process_set"]
+CHECKS = ["steady_hits", "buckets", "grouped", "barrier", "changed_shape", "join",
+          "process_set"]
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ TYPE_NAMES = {ALLREDUCE: "ALLREDUCE", ALLGATHER: "ALLGATHER", BROADCAST: "BROADC
               REMOVE_PROCESS_SET: "REMOVE_PROCESS_SET", ERROR: "ERROR"}
 
 # Types whose responses the coordinator may cache (steady-state training repeats them).
-CACHEABLE_TYPES = frozenset({ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER})
+CACHEABLE_TYPES = frozenset({ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER, BARRIER})
 # Types that may be fused into one transport call.
 FUSABLE_TYPES = frozenset({ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER})
 # Types that reduce: they need identical shapes on every rank and a reduce op.

@@ -334,8 +334,6 @@ def alltoall(buffer: Buffer, splits: Optional[Sequence[int]] = None, *, names: N
 
 
 # ---------------------------------------------------------------------- control
-_barrier_counts: dict[int, int] = {}
-_control_lock = threading.Lock()
 
 
 def join() -> Handle:
@@ -346,13 +344,14 @@ def join() -> Handle:
 
 
 def barrier(process_set=None) -> Handle:
-    """Completes once every rank of the set has reached it. Result: None."""
-    sid = set_id(process_set)
-    with _control_lock:
-        n = _barrier_counts.get(sid, 0)
-        _barrier_counts[sid] = n + 1
-    req = Request(rank=_basics.rank(), name=f"barrier.{n}", type=BARRIER, process_set_id=sid,
-                  cacheable=False)
+    """Completes once every rank of the set has reached it. Result: None.
+
+    One name per set, cacheable: in the steady state a barrier is a round in which every rank
+    offers its bit, with no coordinator and no fallback (a barrier per step used to send the set
+    back to full negotiation every step). The frontends wait on it at once, so a rank has one
+    barrier per set in flight; ranks match barriers by order, as Horovod's do."""
+    req = Request(rank=_basics.rank(), name="barrier", type=BARRIER,
+                  process_set_id=set_id(process_set))
     return _submit([Entry(req)], lambda res: None)
 
 
@@ -362,12 +361,6 @@ def process_set_change(name: str, extra, add: bool) -> Handle:
     req = Request(rank=_basics.rank(), name=name, type=ADD_PROCESS_SET if add
                   else REMOVE_PROCESS_SET, extra=extra, cacheable=False)
     return _submit([Entry(req)], _first)
-
-
-def reset() -> None:
-    """Forget per-job counters (init/shutdown)."""
-    with _control_lock:
-        _barrier_counts.clear()
 
 
 # ---------------------------------------------------------------------- Python objects

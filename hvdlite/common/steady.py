@@ -21,9 +21,11 @@ The protocol, per process set (every rank of the set runs it; rank 0 is not spec
    (collectives.Executor.allreduce). Through the coordinator each call cost ~400 us.
 2. Rounds. While steady, a rank keeps the tensors it submits for the set to itself. A cached one
    (same name and signature as its cache entry) becomes a pending bit; anything else (first
-   sight, a changed shape or dtype, join, a barrier, process-set changes) is held and raises the
+   sight, a changed shape or dtype, join, process-set changes) is held and raises the
    *fallback* flag. A grouped op's members are cached one by one, and a rank offers a group
-   whole or not at all (engine.Engine._steady_add), so a round releases it whole. A rank with anything pending starts round k: the value
+   whole or not at all (engine.Engine._steady_add), so a round releases it whole. A barrier
+   (one name per set) is cached like a collective: its round, which ends only once every rank
+   has offered the bit, is the barrier. A rank with anything pending starts round k: the value
    ``(AND of pending bits, OR of fallback flags)`` is combined by recursive doubling over the
    set's ranks (``("K", set, epoch, k, step, bits, flag)`` messages; ceil(log2 N) exchanges per
    rank and round, plus one pre/post step when N is not a power of two), so every rank ends

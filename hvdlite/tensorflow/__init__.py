@@ -35,14 +35,12 @@ from .optimizer import DistributedOptimizer
 def init(comm=None, process_sets=None) -> None:
     """Initialize hvdlite (Horovod's `hvd.init`). `process_sets` is a list of ProcessSet, or
     "dynamic" to allow add_process_set/remove_process_set later."""
-    _mpi_ops._reset()
     _basics.init(comm, process_sets)
 
 
 def shutdown() -> None:
     """Shut hvdlite down; `init()` may be called again afterwards."""
     _basics.shutdown()
-    _mpi_ops._reset()
 
 
 def allreduce(tensor, average=None, device_dense="", device_sparse="",

@@ -478,11 +478,6 @@ def process_set_included_op(process_set_id=0, name=None):
     return _scalar_op("HorovodProcessSetIncluded", value, name)
 
 
-def _reset() -> None:
-    """Forget per-job counters (shutdown/init)."""
-    _cops.reset()
-
-
 __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "allgather", "grouped_allgather",
     "broadcast", "broadcast_", "alltoall", "join", "barrier", "size_op", "local_size_op",

@@ -502,10 +502,9 @@ def barrier(process_set=global_process_set) -> None:
 
 
 def _reset() -> None:
-    """Forget handles and counters (shutdown/init)."""
+    """Forget handles (shutdown/init)."""
     with _handle_lock:
         _handle_map.clear()
-    _ops.reset()
 
 
 __all__ = [

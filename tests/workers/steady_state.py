@@ -159,6 +159,31 @@ def grouped():
         fail(f"grouped steps did not return to the steady state: {counters()}")
 
 
+def barrier():
+    """A barrier is cached like a collective: a step with a barrier stays in the steady state
+    (it used to fall back to the coordinator every step), and it still holds every rank until
+    the last one arrives."""
+    def bstep(k):
+        step(k, prefix="bar")
+        hvd.barrier()
+
+    d = steady_delta(bstep, range(3), range(3, 9))
+    if d["coordinator_messages"] or d["steady_fallbacks"]:
+        fail(f"steady steps with a barrier sent {d['coordinator_messages']} messages to the "
+             f"coordinator and fell back {d['steady_fallbacks']} times: {d}")
+    if d["steady_released"] != 6 * (len(SHAPES) + 2):
+        fail(f"steady rounds released {d['steady_released']} tensors, expected "
+             f"{6 * (len(SHAPES) + 2)}")
+    for late in range(size):
+        if rank == late:
+            time.sleep(0.3)
+        t0 = time.monotonic()
+        hvd.barrier()
+        waited = time.monotonic() - t0
+        if rank != late and waited < 0.2:
+            fail(f"a steady barrier returned after {waited:.3f} s, before rank {late} reached it")
+
+
 def buckets():
     """Gradient buckets (hvdlite/common/buckets.py): a step's allreduces, submitted one by one
     with compute between them, go out as a first small bucket and one bucket for the rest; a
@@ -209,6 +234,7 @@ def buckets():
 check("steady_hits", steady_hits)
 check("buckets", buckets)
 check("grouped", grouped)
+check("barrier", barrier)
 check("changed_shape", changed_shape)
 check("join", join_uneven)
 check("process_set", process_set)
