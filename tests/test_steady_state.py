@@ -9,6 +9,8 @@ Worker: tests/workers/steady_state.py, one `CHECK <name> OK|FAIL` line per check
   shape on one rank raises the mismatch error naming it on every rank, and the job comes back;
 - barrier: a step with hvd.barrier() stays in the steady state, and the barrier still waits for
   the last rank;
+- unnamed: a step with a blocking allreduce without a name stays in the steady state; a shape
+  mismatch from that line still raises the error naming it;
 - changed_shape: a changed shape after the steady state falls back to full negotiation and
   raises today's mismatch error on every rank; the job returns to the steady state;
 - join: uneven inputs with hvd.join() across the steady state;
@@ -29,7 +31,7 @@ import pytest
 
 from util import Run
 
-CHECKS = ["steady_hits", "buckets", "grouped", "barrier", "changed_shape", "join",
+CHECKS = ["steady_hits", "buckets", "grouped", "barrier", "unnamed", "changed_shape", "join",
           "process_set"]
 
 

@@ -252,19 +252,28 @@ def allreduce_now(buffer: Buffer, output: Buffer, *, name: Optional[str] = None,
     (engine.Engine.express), which skips most of the per-call Python of a submission. Anything
     else (no name, a first sight, a changed signature, something else in flight, Adasum, a
     GPU buffer, a timeline) is exactly `allreduce([buffer], ...).wait()[0]`, with every check
-    and error message of that path."""
-    if isinstance(name, str) and op in REDUCE_OPS:
-        state = _state()
-        req = _request(state.rank, name, ALLREDUCE, buffer, set_id(process_set), True,
-                       reduce_op=op, prescale=float(prescale), postscale=float(postscale))
-        engine = state.engine
-        done = engine.express(Entry(req, _contiguous(buffer), output))
-        if done is True:
-            return output
-        if done is not None:
-            return Handle(done, _first, engine.alive).wait()
-    return allreduce([buffer], names=name, op=op, prescale=prescale, postscale=postscale,
-                     process_set=process_set, outputs=[output]).wait()[0]
+    and error message of that path. Without a name, the call is named by its line, the same
+    every time (naming.claim_site), so it is cached like a named one."""
+    sid = set_id(process_set)
+    claimed = naming.claim_site("allreduce", sid) if name is None else None
+    if claimed is not None:
+        name = claimed
+    try:
+        if isinstance(name, str) and op in REDUCE_OPS:
+            state = _state()
+            req = _request(state.rank, name, ALLREDUCE, buffer, sid, True,
+                           reduce_op=op, prescale=float(prescale), postscale=float(postscale))
+            engine = state.engine
+            done = engine.express(Entry(req, _contiguous(buffer), output))
+            if done is True:
+                return output
+            if done is not None:
+                return Handle(done, _first, engine.alive).wait()
+        return allreduce([buffer], names=name, op=op, prescale=prescale, postscale=postscale,
+                         process_set=process_set, outputs=[output]).wait()[0]
+    finally:
+        if claimed is not None:
+            naming.release_site(claimed, sid)
 
 
 def allgather(buffers: Sequence[Buffer], *, names: Names = None, process_set=None, group=None,

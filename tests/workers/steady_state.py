@@ -184,6 +184,30 @@ def barrier():
             fail(f"a steady barrier returned after {waited:.3f} s, before rank {late} reached it")
 
 
+def unnamed():
+    """A blocking allreduce without a name is named by its line alone (naming.claim_site), so a
+    step with one (a logged loss) stays in the steady state; a changed shape from that line
+    still raises the mismatch error, naming the line."""
+    def ustep(k):
+        step(k, prefix="un")
+        x = gen(rank, (3,), torch.float32, salt=("un", k))
+        same(hvd.allreduce(x, op=hvd.Sum), sum(gen(r, (3,), torch.float32, salt=("un", k))
+                                               for r in range(size)), f"unnamed step {k}")
+
+    d = steady_delta(ustep, range(3), range(3, 9))
+    if d["coordinator_messages"] or d["steady_fallbacks"]:
+        fail(f"steady steps with an unnamed allreduce sent {d['coordinator_messages']} messages "
+             f"to the coordinator and fell back {d['steady_fallbacks']} times: {d}")
+    try:
+        hvd.allreduce(torch.ones(4 if rank == 1 else 3), op=hvd.Sum)
+    except hvd.HorovodInternalError as exc:
+        if "Mismatched ALLREDUCE tensor shapes on tensor 'allreduce.noname.steady_state.py:" \
+                not in str(exc) or "rank 1 sent shape [4]" not in str(exc):
+            fail(f"unexpected error: {exc}")
+    else:
+        fail("an unnamed shape mismatch did not raise")
+
+
 def buckets():
     """Gradient buckets (hvdlite/common/buckets.py): a step's allreduces, submitted one by one
     with compute between them, go out as a first small bucket and one bucket for the rest; a
@@ -235,6 +259,7 @@ check("steady_hits", steady_hits)
 check("buckets", buckets)
 check("grouped", grouped)
 check("barrier", barrier)
+check("unnamed", unnamed)
 check("changed_shape", changed_shape)
 check("join", join_uneven)
 check("process_set", process_set)
