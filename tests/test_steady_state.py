@@ -94,7 +94,8 @@ def test_steady_state_mpi(mpi_run):
     _all_checks(mpi_run, CHECKS)
 
 
-ROUNDS_CHECKS = ["inline", "express", "waiter", "async", "crossed", "large", "changed_shape"]
+ROUNDS_CHECKS = ["inline", "express", "waiter", "async", "crossed", "large", "changed_shape",
+                 "compacted"]
 
 
 @pytest.mark.timeout(180)

@@ -34,7 +34,7 @@ from .protocol import Item, Msg
 from .rendezvous import server_handshake
 from .response_cache import CoordinatorCache
 from .stall import StallInspector
-from .steady import gone_message
+from .steady import COMPACT_WIDTH, gone_message
 from .wire import Channel, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -778,8 +778,15 @@ class Coordinator:
             # The rounds' width: every bit the set's tensors can carry until its next fallback
             # (new bits need the coordinator). 0 keeps rounds on the control connections.
             width = s.cache.next_bit if self.settings.steady_rounds == "auto" else 0
+            slots = None
+            if width > COMPACT_WIDTH:
+                # Bits are never reused, so a name whose signature keeps changing (say, an
+                # allgather of a varying batch) hands out a new one each time; the rounds then
+                # carry only the live ones, numbered 0.. in this order (steady.TransportRound).
+                slots = tuple(sorted(s.cache.by_bit))
+                width = max(len(slots), 1)
             for g in s.ranks:
-                out.setdefault(g, []).append((Item.STEADY, s.id, s.epoch, width))
+                out.setdefault(g, []).append((Item.STEADY, s.id, s.epoch, width, slots))
 
     def _release_ready(self, ready: list, out: dict) -> None:
         if not ready:

@@ -960,7 +960,8 @@ class Engine:
                     else:
                         self.cache.evict(item[1], item[2])
                 elif tag == Item.STEADY:
-                    self._enter_steady(item[1], item[2], item[3] if len(item) > 3 else 0)
+                    self._enter_steady(item[1], item[2], item[3] if len(item) > 3 else 0,
+                                       item[4] if len(item) > 4 else None)
                 elif tag == Item.TAKE_BACK:
                     self._take_back(item[1], item[2], item[3])
                 elif tag == Item.GONE:
@@ -987,13 +988,15 @@ class Engine:
         return True
 
     # ------------------------------------------------------------------ steady state
-    def _enter_steady(self, sid: int, epoch: int, width: int = 0) -> None:
+    def _enter_steady(self, sid: int, epoch: int, width: int = 0,
+                      slots: tuple | None = None) -> None:
         """The coordinator's "D": from here this set's cached tensors are released by rounds.
 
         `width` > 0 asks for rounds on the transport where the set's CPU communicator offers an
         Agreement (MPI, and gloo's shared-memory path) that carries that many bits: every
         member decides alike, since all run the same transport and have executed the same
-        responses (so all have, or all lack, the communicator)."""
+        responses (so all have, or all lack, the communicator). `slots`: the live bits such
+        rounds carry, in order, when the coordinator compacted them (steady.COMPACT_WIDTH)."""
         ranks = self.set_ranks.get(sid)
         if ranks is None or self.rank not in ranks:
             return
@@ -1002,6 +1005,8 @@ class Engine:
         agreement = getattr(comm, "agreement", None) if width > 0 else None
         if agreement is not None and width <= getattr(agreement, "max_width", width):
             st.agreement, st.width = agreement, width
+            if slots is not None:
+                st.slots, st.slot_of = slots, {bit: i for i, bit in enumerate(slots)}
         with self._lock:
             self.epochs[sid] = epoch
             self.steady[sid] = st

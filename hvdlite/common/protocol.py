@@ -62,8 +62,10 @@ class Item(_Tag):
     RESEND = "B"         # ("B", set_id, bits): the coordinator forgot these bits; send the
     #                      requests in full
     CYCLE_TIME = "P"     # ("P", ms): autotune's new cycle time
-    STEADY = "D"         # ("D", set_id, epoch, width): the set enters the steady state here;
-    #                      width > 0: its rounds may run on the transport, carrying that many bits
+    STEADY = "D"         # ("D", set_id, epoch, width, slots): the set enters the steady state
+    #                      here; width > 0: its rounds may run on the transport, carrying that
+    #                      many bits; slots (or None): the live cache bits, in the order the
+    #                      rounds carry them, once the bits handed out outgrow COMPACT_WIDTH
     TAKE_BACK = "Y"      # ("Y", set_id, names, bits): sent before this rank saw the latest
     #                      "D"; release them the way the set is released now
     GONE = "G"           # ("G", set_id, [rank]): a member shut down while the set was steady

@@ -34,7 +34,12 @@ The protocol, per process set (every rank of the set runs it; rank 0 is not spec
    On MPI a round is instead one allreduce (bitwise AND) on a duplicate of the set's
    communicator (TransportRound, backends/mpi.Agreement). "D" carries the width: the number of
    bits the set's cache has handed out (no new bit can appear before the next fallback, since
-   new bits need the coordinator). MPI matches every rank's k-th round. It costs a few us
+   new bits need the coordinator). Bits are never reused, so a name whose signature keeps
+   changing hands out a new one each time; once they outnumber COMPACT_WIDTH, "D" also carries
+   the live bits (slots), and a round carries bit slots[i] at position i: its width stays the
+   number of live tensors instead of growing with the job (after 5,000 changes of one name, the
+   shared-memory rounds no longer fitted and went to the control connections: a 4 KiB allreduce
+   took 300 us instead of 40 for the rest of the job). MPI matches every rank's k-th round. It costs a few us
    through shared memory against ~100 us for messages between Python threads, and every rank
    leaves the round at almost the same moment. A caller whose one tensor is all its rank has in
    flight runs the round itself, and, where MPI waits may spin, its collective too
@@ -179,6 +184,12 @@ class Round:
         return out
 
 
+# Past this many bits handed out, the steady state's transport rounds carry only the live ones
+# ("D"'s slots). Below it the rounds carry bits as they are (no mapping on the hot path); 1024
+# bits are 16 words of a shared-memory agreement or of an MPI round.
+COMPACT_WIDTH = 1024
+
+
 class TransportRound:
     """One round run as a single collective of the transport (MPI: Agreement in backends/mpi.py).
 
@@ -189,9 +200,23 @@ class TransportRound:
     waiter polls it (an MPI request must not be tested by two threads at once).
     """
 
-    __slots__ = ("request", "result", "owned_by_waiter")
+    __slots__ = ("request", "result", "owned_by_waiter", "slots")
 
-    def __init__(self, agreement, bits: int, fallback: bool, width: int):
+    def __init__(self, agreement, bits: int, fallback: bool, width: int,
+                 slots: tuple | None = None, slot_of: dict | None = None):
+        self.slots = slots
+        if slots is not None:
+            # Carry bit slots[i] at position i ("D"'s compaction).
+            packed = 0
+            while bits:
+                low = bits & -bits
+                bits ^= low
+                i = slot_of.get(low.bit_length() - 1)
+                if i is None:
+                    fallback = True      # not live at "D": cannot happen (see below)
+                else:
+                    packed |= 1 << i
+            bits = packed
         if bits >> width:
             # A bit the round cannot carry (not known when the set entered the steady state:
             # cannot happen, since new bits need the coordinator). Be safe: fall back.
@@ -204,7 +229,16 @@ class TransportRound:
     def poll(self) -> bool:
         """Test the request (the owner's thread only); True once the value is known."""
         if self.result is None and self.request.test():
-            self.result = self.request.value()
+            common, fallback = self.request.value()
+            slots = self.slots
+            if slots is not None:
+                bits = 0
+                while common:
+                    low = common & -common
+                    common ^= low
+                    bits |= 1 << slots[low.bit_length() - 1]
+                common = bits
+            self.result = (common, fallback)
         return self.result is not None
 
     def advance(self) -> tuple[int, bool] | None:
@@ -235,6 +269,8 @@ class SteadySet:
     # Agreement, and how many bits its rounds carry (the coordinator's count at "D").
     agreement: Any = None
     width: int = 0
+    slots: tuple | None = None                       # "D"'s live bits, when it compacted them
+    slot_of: dict | None = None                      # bit -> its position in slots
 
     def wants_round(self) -> bool:
         return self.round is None and (bool(self.pending) or self.fallback)
@@ -247,7 +283,8 @@ class SteadySet:
         self.round_started = now
         k = self.round_no
         if self.agreement is not None:
-            rnd = TransportRound(self.agreement, bits, self.fallback, self.width)
+            rnd = TransportRound(self.agreement, bits, self.fallback, self.width, self.slots,
+                                 self.slot_of)
             self.round = rnd
             return rnd
         rnd = Round(self.me, len(self.ranks), (bits, self.fallback),

@@ -22,7 +22,9 @@ shared memory the collective runs there too, ShmChannel._submit). Checks:
   transfer to the end (engine.BLOCKING_POLL_S), or, with that window set to 0 (a transfer that
   outlasts it), the finisher thread finishes it;
 - changed_shape: a changed shape raises today's mismatch error on both ranks; the job returns
-  to the steady state.
+  to the steady state;
+- compacted: after more changed signatures of one name than steady.COMPACT_WIDTH, the rounds
+  carry only the live bits ("D"'s slots), stay on the transport and release the right tensors.
 """
 from __future__ import annotations
 
@@ -203,6 +205,30 @@ def changed_shape():
         fail(f"did not return to the steady state: {counters()}")
 
 
+def compacted():
+    """A name whose signature changes on every call hands out a new cache bit each time (bits
+    are never reused). Past steady.COMPACT_WIDTH bits handed out, "D" lists the live ones and
+    the rounds carry only those: the rounds stay on the transport, as narrow as the live
+    tensors, and release the right tensors (mapped back from their positions)."""
+    from hvdlite.common.steady import COMPACT_WIDTH
+    for k in range(COMPACT_WIDTH + 50):
+        hvd.allreduce(torch.ones(1 + k % 2), name="r.churn", op=hvd.Sum)
+    d = steady_delta(sync_step, range(50, 54), range(54, 62))
+    st = basics._state.engine.steady.get(0)
+    if st is None or st.slots is None or st.width > 16:
+        fail(f"rounds not compacted after {COMPACT_WIDTH + 50} changed signatures: width "
+             f"{st and st.width}, slots {st and st.slots}")
+    if d["coordinator_messages"] or d["steady_released"] != 24 \
+            or d["transport_rounds"] != d["steady_rounds"]:
+        fail(f"compacted steady steps: expected 24 tensors released by rounds on the "
+             f"transport and no coordinator message: {d}")
+    handles = [hvd.allreduce_async(gen(rank, (9,), torch.float32, salt=("cp", i)),
+                                   name=f"r.cp{i}", op=hvd.Sum) for i in range(3)]
+    for i, h in enumerate(handles):         # new names: full negotiation, then steady again
+        same(hvd.synchronize(h), sum(gen(r, (9,), torch.float32, salt=("cp", i))
+                                     for r in range(size)), f"after compaction {i}")
+
+
 check("inline", inline)
 check("express", express)
 check("waiter", waiter)
@@ -210,6 +236,7 @@ check("async", async_step)
 check("crossed", crossed)
 check("large", large)
 check("changed_shape", changed_shape)
+check("compacted", compacted)
 print("COUNTERS", counters(), flush=True)
 finish()
 hvd.shutdown()
