@@ -156,3 +156,14 @@ def test_one_rank_benchmark_runs():
     assert "steady state on" in proc.stdout, proc.stdout
     rows = [line for line in proc.stdout.splitlines() if "allreduce_" in line]
     assert len(rows) == 3, proc.stdout
+
+
+@pytest.mark.timeout(180)
+def test_cache_smaller_than_a_step():
+    """HOROVOD_CACHE_CAPACITY below the tensors of a step: results stay right and nothing
+    hangs (workers/cache_capacity.py); rank 0 warns once, naming the variable and the fix."""
+    run = Run("cache_capacity.py", 3, env={"HOROVOD_CACHE_CAPACITY": "16"}, timeout=150)
+    _all_checks(run, ["thrash", "fits"])
+    warning = "the response cache (HOROVOD_CACHE_CAPACITY=16 tensors) is smaller than"
+    assert run.output.count(warning) == 1, run.output[-3000:]
+    assert "Set HOROVOD_CACHE_CAPACITY (or HVDLITE_CACHE_CAPACITY) above" in run.output

@@ -39,6 +39,10 @@ from .wire import Channel, ProtocolError
 
 log = logging.getLogger(__name__)
 
+# Warn once per set when this many tensors the cache evicted for room came back: its capacity
+# is below what a step submits (steps then never reach the steady state).
+THRASH_WARN_RETURNS = 32
+
 
 @dataclass
 class SetState:
@@ -60,6 +64,7 @@ class SetState:
     unsteady: set = field(default_factory=set)    # set ranks that fell back from `epoch` ("U")
     waiting: dict = field(default_factory=dict)   # set rank -> (since, names) waiting in a round
     all_hits: bool = False                        # this round released only cache hits
+    thrash_warned: bool = False                   # warned that the cache is too small
 
     def __post_init__(self):
         self.index = {g: i for i, g in enumerate(self.ranks)}
@@ -575,6 +580,16 @@ class Coordinator:
             ready.append((s, resp))
             if evicted:
                 self._retire_bits(s, evicted, ready)
+            if s.cache.returned >= THRASH_WARN_RETURNS and not s.thrash_warned:
+                s.thrash_warned = True
+                log.warning(
+                    "process set %d: the response cache (HOROVOD_CACHE_CAPACITY=%d tensors) is "
+                    "smaller than the set of tensors the job keeps submitting: %d tensors it "
+                    "evicted to make room were submitted again. Each step then "
+                    "negotiates them through the coordinator on rank 0, and the set never "
+                    "reaches the steady state. Set HOROVOD_CACHE_CAPACITY (or "
+                    "HVDLITE_CACHE_CAPACITY) above the number of named collectives one step "
+                    "submits.", s.id, s.cache.capacity, s.cache.returned)
             return
         ready.append((s, resp))
 
@@ -592,10 +607,22 @@ class Coordinator:
                              self._gone_message(gone, ", ".join(repr(n) for n in names[:6])), out)
             return
         stale = mask & ~s.cache.valid_mask
+        mask &= s.cache.valid_mask
+        now = time.monotonic()
+        new = mask & ~s.pending_bits[idx]
+        while new:
+            low = new & -new
+            s.bit_seen.setdefault(low.bit_length() - 1, now)
+            new ^= low
+        # The live bits are pending before the stale ones below are handled: a stale bit's
+        # request may complete a tensor whose new cache entry evicts one of these bits, and
+        # _retire_bits turns only pending bits back into requests. (Added after, an evicted
+        # bit stayed pending for a tensor the cache no longer had: with more tensors per step
+        # than HOROVOD_CACHE_CAPACITY the job hung within a few steps.)
+        s.pending_bits[idx] |= mask
         if stale:
             # The rank used a bit the coordinator has since retired: treat it as a full request,
             # or, once the retired entry is forgotten too, ask the rank to send it in full.
-            mask &= s.cache.valid_mask
             resend = []
             while stale:
                 low = stale & -stale
@@ -608,13 +635,6 @@ class Coordinator:
                     self._add_to_table(s, idx, entry.requests[idx], ready)
             if resend:
                 out.setdefault(rank, []).append((Item.RESEND, set_id, resend))
-        now = time.monotonic()
-        new = mask & ~s.pending_bits[idx]
-        while new:
-            low = new & -new
-            s.bit_seen.setdefault(low.bit_length() - 1, now)
-            new ^= low
-        s.pending_bits[idx] |= mask
         self._release_bits(s, ready)
 
     def _release_bits(self, s: SetState, ready: list) -> None:

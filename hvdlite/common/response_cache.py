@@ -33,6 +33,10 @@ class CoordinatorCache:
         self.valid_mask = 0
         self.next_bit = 0
         self.evictions = 0
+        # Names the LRU evicted to make room, and how many of them were cached again since:
+        # a cache smaller than a step's tensors evicts names the next step submits again.
+        self.evicted_names: OrderedDict[str, None] = OrderedDict()
+        self.returned = 0
 
     def put(self, resp: Response, requests: dict) -> tuple[int, list[int]]:
         """Cache a single-tensor response; returns (bit, evicted bits).
@@ -49,14 +53,19 @@ class CoordinatorCache:
         template.joined = ()
         entry = CacheEntry(bit, template, dict(requests),
                            max((r.group_size for r in requests.values()), default=0))
+        if self.evicted_names.pop(resp.names[0], False) is None:
+            self.returned += 1
         self.by_name[resp.names[0]] = entry
         self.by_bit[bit] = entry
         self.valid_mask |= 1 << bit
         evicted = []
         while len(self.by_name) > self.capacity:
-            _, old = self.by_name.popitem(last=False)
+            name, old = self.by_name.popitem(last=False)
             evicted.append(self._retire(old))
             self.evictions += 1
+            self.evicted_names[name] = None
+            if len(self.evicted_names) > self.capacity:
+                self.evicted_names.popitem(last=False)
         return bit, evicted
 
     def _retire(self, entry: CacheEntry) -> int:
