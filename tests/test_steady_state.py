@@ -23,6 +23,9 @@ a 2-core machine) repeats with HVDLITE_SHM=0, which keeps them there on any mach
 workers/steady_transport_rounds.py checks the transport's path on 2 ranks of each (callers
 driving their own round on the express lane, the round waiter, async steps, crossed submission
 orders, a large synchronous allreduce, a changed shape).
+workers/cache_capacity.py runs steps larger than the response cache; workers/steady_fuzz.py
+runs random steps (allreduces, broadcasts, groups, barriers, unnamed calls, changed shapes,
+random timing per rank) on gloo with a thrashing cache and on MPI.
 The stall case (a rank that stops submitting) is in test_errors.py.
 """
 from __future__ import annotations
@@ -60,10 +63,11 @@ def test_steady_state_gloo_control_connections():
 class MpiRun(Run):
     """The same worker under `hvdlite-run --mpi` (mpiexec, the MPI transport)."""
 
-    def __init__(self, script: str, np: int):
+    def __init__(self, script: str, np: int, args=None, env=None):
         from util import hvdlite_run, rank_lines
         self.script, self.np = script, np
-        proc = hvdlite_run(script, np=np, timeout=150, launcher_args=["--mpi"])
+        proc = hvdlite_run(script, np=np, args=args, env=env, timeout=150,
+                           launcher_args=["--mpi"])
         self.returncode = proc.returncode
         self.stdout = proc.stdout
         self.output = proc.stdout + "\n--- stderr\n" + proc.stderr
@@ -71,11 +75,11 @@ class MpiRun(Run):
         self.detail_lines = 30
 
 
-def _mpi(script: str, np: int) -> MpiRun:
+def _mpi(script: str, np: int, args=None, env=None) -> MpiRun:
     from test_mpi import HAVE_MPI
     if not HAVE_MPI:
         pytest.skip("mpi4py/mpiexec not installed (pip install mpi4py mpich)")
-    return MpiRun(script, np)
+    return MpiRun(script, np, args, env)
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +171,20 @@ def test_cache_smaller_than_a_step():
     warning = "the response cache (HOROVOD_CACHE_CAPACITY=16 tensors) is smaller than"
     assert run.output.count(warning) == 1, run.output[-3000:]
     assert "Set HOROVOD_CACHE_CAPACITY (or HVDLITE_CACHE_CAPACITY) above" in run.output
+
+
+FUZZ_ENV = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "5", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "20"}
+
+
+@pytest.mark.timeout(180)
+def test_random_steps_with_a_thrashing_cache():
+    """workers/steady_fuzz.py on 3 gloo ranks with a 16-entry cache: random steps of allreduces,
+    broadcasts, groups, barriers and unnamed calls give the reference results, with no hang."""
+    _all_checks(Run("steady_fuzz.py", 3, args=["7", "600"], timeout=150,
+                    env=dict(FUZZ_ENV, HOROVOD_CACHE_CAPACITY="16")), ["fuzz"])
+
+
+@pytest.mark.timeout(180)
+def test_random_steps_on_mpi():
+    """The same random steps on MPI (rounds on the transport), with the default cache."""
+    _all_checks(_mpi("steady_fuzz.py", 3, args=["8", "600"], env=FUZZ_ENV), ["fuzz"])
