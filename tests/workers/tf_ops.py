@@ -724,6 +724,23 @@ SIGNATURES = {
 }
 
 
+def check_unnamed_steady():
+    """An eager allreduce without a name is named by its line and cached: a loop of them (a
+    logged loss) reaches the steady state and sends nothing to the coordinator."""
+    from hvdlite.common import basics
+    x = tf.constant([1.0, 2.0]) * (RANK + 1)
+    want = sum(np.array([1.0, 2.0]) * (r + 1) for r in range(SIZE))
+    for k in range(14):
+        if k == 6:
+            before = basics.engine_counters()
+        got = hvd.allreduce(x, op=hvd.Sum)
+        np.testing.assert_allclose(got.numpy(), want)
+    after = basics.engine_counters()
+    if after["coordinator_messages"] != before["coordinator_messages"] \
+            or after["steady_entered"] < 1:
+        fail(f"unnamed eager allreduces did not stay in the steady state: {before} -> {after}")
+
+
 def check_api():
     import inspect
 
@@ -786,6 +803,7 @@ def main():
     check("partial_tape", check_partial_tape)
     check("size_one_tape", check_size_one_tape)
     check("local_errors", check_local_errors)
+    check("unnamed_steady", check_unnamed_steady)
     finish()
     hvd.shutdown()
 
