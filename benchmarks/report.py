@@ -50,8 +50,9 @@ def train_step(root: str) -> list[str]:
 def allreduce(root: str) -> list[str]:
     out = ["| hvdlite's data path (raw peer) | 4 KiB latency, hvdlite vs raw | 16 MiB busbw ratio "
            "| 64 MiB busbw ratio | 100 tensors of 4–256 KiB, fused vs raw one by one "
+           "| the same as one `grouped_allreduce_` "
            "| limit: raw one by one vs raw one buffer (with the copies in and out) |",
-           "|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|"]
     for kind, label in (("gloo", "shared memory (raw gloo)"),
                         ("gloo_tcp", "gloo's TCP, `HVDLITE_SHM=0` (raw gloo)"),
                         ("mpi", "MPI (raw mpi4py)")):
@@ -72,6 +73,9 @@ def allreduce(root: str) -> list[str]:
         cells.append(f"{many['hvdlite_ms']:.1f} vs {many['raw_one_by_one_ms']:.1f} ms: "
                      f"**{many['speedup']:.2f}×** ({many['speedup_min']:.2f}–"
                      f"{many['speedup_max']:.2f})")
+        cells.append(f"{many['hvdlite_grouped_ms']:.1f} ms: {many['grouped_speedup']:.2f}× "
+                     f"({many['grouped_speedup_min']:.2f}–{many['grouped_speedup_max']:.2f})"
+                     if "hvdlite_grouped_ms" in many else "—")
         limit = f"{many['limit']:.2f}× ({many['raw_one_buffer_ms']:.1f} ms)" \
             if "limit" in many else "—"
         if "limit_copies" in many:
