@@ -86,6 +86,20 @@ def allreduce(root: str) -> list[str]:
     return out
 
 
+def steady_paths(root: str) -> list[str]:
+    out = ["| call, 2 ranks | transport | hvdlite µs | peer | peer µs | hvdlite/peer (spread) |",
+           "|---|---|---|---|---|---|"]
+    for kind in ("gloo", "mpi"):
+        d = _load(root, f"steady_paths_{kind}")
+        if d is None:
+            continue
+        for r in d["rows"].values():
+            out.append(f"| {r['what']} | {d['transport']} | {r['hvdlite_us']:.1f} | {r['peer']} "
+                       f"| {r['peer_us']:.1f} | **{r['ratio']:.2f}** ({r['ratio_min']:.2f}–"
+                       f"{r['ratio_max']:.2f}) |")
+    return out if len(out) > 2 else []
+
+
 def cold_cache(root: str) -> list[str]:
     d = _load(root, "cold_cache_mpi")
     if d is None:
@@ -212,6 +226,7 @@ def main() -> None:
     root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(
         os.path.abspath(__file__)), "results")
     for title, fn in (("Training step", train_step), ("Allreduce, 2 ranks", allreduce),
+                      ("Steady-state paths", steady_paths),
                       ("After a large transfer", cold_cache),
                       ("Control plane", control_plane), ("One-rank job", one_rank),
                       ("ZeRO", zero),

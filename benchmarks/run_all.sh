@@ -24,10 +24,14 @@ echo "== allreduce, 2 ranks, gloo"
 echo "== allreduce, 2 ranks, gloo with the shared-memory path off (gloo's own TCP data path)"
 HVDLITE_SHM=0 .venv/bin/hvdlite-run -np 2 "$PY" benchmarks/allreduce.py \
     --json "$OUT/allreduce_gloo_tcp.json" --plot "$OUT/allreduce_gloo_tcp.png"
+echo "== steady-state paths (grouped, barrier, unnamed), 2 ranks, gloo"
+.venv/bin/hvdlite-run -np 2 "$PY" benchmarks/steady_paths.py --json "$OUT/steady_paths_gloo.json"
 if [ -x .venv/bin/mpiexec ]; then
   echo "== allreduce, 2 ranks, mpi"
   .venv/bin/mpiexec -n 2 "$PY" benchmarks/allreduce.py \
       --json "$OUT/allreduce_mpi.json" --plot "$OUT/allreduce_mpi.png"
+  echo "== steady-state paths (grouped, barrier, unnamed), 2 ranks, mpi"
+  .venv/bin/mpiexec -n 2 "$PY" benchmarks/steady_paths.py --json "$OUT/steady_paths_mpi.json"
   echo "== a small allreduce with warm caches and after streaming 64 MiB, 2 ranks, mpi"
   .venv/bin/mpiexec -n 2 "$PY" benchmarks/cold_cache.py --json "$OUT/cold_cache_mpi.json"
 fi

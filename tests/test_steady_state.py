@@ -162,6 +162,20 @@ def test_one_rank_benchmark_runs():
     assert len(rows) == 3, proc.stdout
 
 
+@pytest.mark.timeout(120)
+def test_steady_paths_benchmark_runs(tmp_path):
+    """benchmarks/steady_paths.py (README's steady-state paths table) runs on 2 gloo ranks and
+    writes its three rows; its timings are not judged here."""
+    import json
+
+    from util import ROOT, hvdlite_run
+    out = tmp_path / "paths.json"
+    proc = hvdlite_run(ROOT / "benchmarks" / "steady_paths.py", np=2,
+                       args=["--rounds", "1", "--calls", "3", "--json", str(out)], timeout=100)
+    assert "hvd.barrier()" in proc.stdout, proc.stdout
+    assert set(json.loads(out.read_text())["rows"]) == {"grouped", "barrier", "unnamed"}
+
+
 @pytest.mark.timeout(180)
 def test_cache_smaller_than_a_step():
     """HOROVOD_CACHE_CAPACITY below the tensors of a step: results stay right and nothing

@@ -1,0 +1,102 @@
+"""Calls that used to leave the steady state, against their peers, in the same processes.
+
+    hvdlite-run -np 2 python benchmarks/steady_paths.py [--rounds 7] [--json out.json]
+    mpiexec -n 2 python benchmarks/steady_paths.py       # MPI transport against raw mpi4py
+
+Each of these once sent its process set back to the coordinator on rank 0 on every call, and
+with it every collective until the set was steady again. Rounds alternate A B A B; the table
+gives medians and the spread of the per-round ratios.
+- grouped: one blocking `grouped_allreduce_` of 27 small tensors (a model's gradients as one
+  group) against the raw transport reducing them one by one;
+- barrier: `hvd.barrier()` against the raw transport's barrier;
+- unnamed: a step of ten async gradient allreduces and a blocking loss allreduce without a
+  name against the same step with the loss named (the peer: the steady state's own speed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+import hvdlite.torch as hvd
+from allreduce import RawGloo, RawMPI
+from bench_util import timed
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--calls", type=int, default=50, help="calls per round")
+    p.add_argument("--json", default=None)
+    return p.parse_args()
+
+
+def compare(a, b, rounds: int, calls: int) -> dict:
+    """Median seconds per call of `a` and `b` over alternating rounds, and the ratio a/b."""
+    a(), b()
+    ta, tb = [], []
+    for _ in range(rounds):
+        ta.append(timed(a, calls))
+        tb.append(timed(b, calls))
+    ratios = [x / y for x, y in zip(ta, tb)]
+    return {"hvdlite_us": statistics.median(ta) * 1e6, "peer_us": statistics.median(tb) * 1e6,
+            "ratio": statistics.median(ratios), "ratio_min": min(ratios),
+            "ratio_max": max(ratios)}
+
+
+def main():
+    args = parse_args()
+    hvd.init()
+    torch.set_num_threads(1)
+    raw = RawMPI() if hvd.mpi_enabled() else RawGloo()
+    raw_barrier = raw.comm.Barrier if hvd.mpi_enabled() else lambda: raw.pg.barrier().wait()
+
+    grads = [torch.ones(1000 + 37 * i) for i in range(27)]
+
+    def grouped():
+        hvd.grouped_allreduce_(grads, name="paths.grouped", op=hvd.Sum)
+
+    def raw_one_by_one():
+        for t in grads:
+            raw.allreduce(t)
+
+    step_grads = [torch.ones(20000) for _ in range(10)]
+    loss = torch.ones(1)
+
+    def step(named: bool):
+        handles = [hvd.allreduce_async_(g, name=f"paths.g{i}") for i, g in enumerate(step_grads)]
+        for h in handles:
+            hvd.synchronize(h)
+        if named:
+            hvd.allreduce(loss, name="paths.loss")
+        else:
+            hvd.allreduce(loss)
+
+    rows = {
+        "grouped": ("grouped_allreduce_ of 27 tensors (4-18 KiB)", "raw, one by one",
+                    compare(grouped, raw_one_by_one, args.rounds, args.calls)),
+        "barrier": ("hvd.barrier()", f"raw {raw.name} barrier",
+                    compare(hvd.barrier, raw_barrier, args.rounds, args.calls)),
+        "unnamed": ("step with an unnamed loss allreduce", "the same step, loss named",
+                    compare(lambda: step(False), lambda: step(True), args.rounds, args.calls)),
+    }
+    if hvd.rank() == 0:
+        print(f"steady-state paths, {hvd.size()} ranks, {raw.name}, medians of {args.rounds} "
+              f"alternating rounds of {args.calls} calls (spread: min-max of per-round ratios)")
+        print(f"{'call':<44} {'hvdlite us':>11} {'peer':<28} {'peer us':>9} {'ratio':>6} "
+              f"{'spread':>11}")
+        for what, peer, r in rows.values():
+            print(f"{what:<44} {r['hvdlite_us']:>11.1f} {peer:<28} {r['peer_us']:>9.1f} "
+                  f"{r['ratio']:>6.2f} {r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"ranks": hvd.size(), "transport": raw.name,
+                           "rows": {k: dict(r, what=w, peer=p) for k, (w, p, r) in rows.items()}},
+                          f, indent=1)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
