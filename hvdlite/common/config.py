@@ -45,7 +45,9 @@ VARIABLES: tuple[Var, ...] = (
     _v("FUSION_THRESHOLD", "int", 128 * 1024 * 1024,
        "bytes per fused transport call; 0 disables fusion"),
     _v("CYCLE_TIME", "float", 1.0, "ms between two negotiation sends of one rank"),
-    _v("CACHE_CAPACITY", "int", 1024, "response cache entries; 0 disables the cache"),
+    _v("CACHE_CAPACITY", "int", 1024, "response cache entries; 0 disables the cache. The "
+       "steady state needs every collective of a step cached: a model with more gradient "
+       "tensors than this never reaches it (rank 0 warns)"),
     _v("STEADY_STATE", "bool", True, "0 keeps every cycle on the coordinator in rank 0 (no "
        "decentralised steady state)"),
     _v("STEADY_ROUNDS", "str", "auto", "`auto` or `peers`: where the steady state's rounds run; "
