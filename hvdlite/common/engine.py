@@ -1023,23 +1023,21 @@ class Engine:
         some members released by a round and the rest sent to the coordinator by the fallback
         that round raised, which would hold them for members that never come. Every rank
         decides alike, so a round's common bits hold a group whole or not at all."""
-        whole = None
+        members = missed = None     # group -> its members here; groups with a miss here
         for e in entries:
             req = e.request
             e.sent_bit = self.cache.hit(req) if req.cacheable else -1
             if req.group is not None:
-                if whole is None:
-                    whole = {}
-                seen = whole.get(req.group)
-                whole[req.group] = [1, e.sent_bit >= 0] if seen is None else \
-                    [seen[0] + 1, seen[1] and e.sent_bit >= 0]
+                if members is None:     # (made only for a group: not on the hot path)
+                    members, missed = collections.Counter(), set()
+                members[req.group] += 1
+                if e.sent_bit < 0:
+                    missed.add(req.group)
         for e in entries:
-            bit = e.sent_bit
-            group = e.request.group
-            if group is not None and bit >= 0:
-                count, hits = whole[group]
-                if not hits or count != e.request.group_size:
-                    bit = -1
+            bit, req = e.sent_bit, e.request
+            if bit >= 0 and req.group is not None and (
+                    req.group in missed or members[req.group] != req.group_size):
+                bit = -1
             if bit >= 0 and bit not in st.pending:
                 st.pending[bit] = e
             else:

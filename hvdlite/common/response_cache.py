@@ -53,7 +53,8 @@ class CoordinatorCache:
         template.joined = ()
         entry = CacheEntry(bit, template, dict(requests),
                            max((r.group_size for r in requests.values()), default=0))
-        if self.evicted_names.pop(resp.names[0], False) is None:
+        if resp.names[0] in self.evicted_names:
+            del self.evicted_names[resp.names[0]]
             self.returned += 1
         self.by_name[resp.names[0]] = entry
         self.by_bit[bit] = entry
