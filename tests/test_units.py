@@ -259,21 +259,22 @@ def test_engine_handle_latch_wakes_every_waiter_once_and_times_out_cleanly():
         failed.wait(timeout=1)
 
 
-def test_claim_site_names_a_blocking_call_by_its_line():
-    """naming.claim_site: one stable name per line (cacheable), unless the same line is in a
+def test_claimed_site_names_a_blocking_call_by_its_line():
+    """naming.claimed_site: one stable name per line (cacheable), unless the same line is in a
     call on another thread right now; then None (the caller falls back to a counted name)."""
     from hvdlite.common import naming
 
     def claim(sid=0):
-        return naming.claim_site("allreduce", sid)      # every call: this line
+        return naming.claimed_site("allreduce", sid)    # every call: this line
 
-    first = claim()
-    assert first is not None and first.startswith("allreduce.noname.test_units.py:")
-    assert not first.rsplit(":", 1)[1].count(".")       # no per-call counter
-    assert claim() is None                              # still in progress
-    other_set = claim(3)
-    assert other_set == first                           # another set is another key
-    naming.release_site(first)
-    naming.release_site(other_set, 3)
-    assert claim() == first
-    naming.release_site(first)
+    with claim() as first:
+        assert first is not None and first.startswith("allreduce.noname.test_units.py:")
+        assert not first.rsplit(":", 1)[1].count(".")   # no per-call counter
+        with claim() as busy:
+            assert busy is None                         # still in progress
+        with claim(3) as other_set:
+            assert other_set == first                   # another set is another key
+    with claim() as again:
+        assert again == first                           # released on the way out
+    with naming.claimed_site("allreduce", wanted=False) as unwanted:
+        assert unwanted is None

@@ -53,35 +53,47 @@ def auto_name(op: str, set_id: int = 0) -> str:
     with _lock:
         n = _counters.get(key, 0)
         _counters[key] = n + 1
-    return f"{op}.noname.{site[0]}:{site[1]}.{n}"
+    return f"{_site_base(op, site)}.{n}"
 
 
-def claim_site(op: str, set_id: int = 0) -> str | None:
-    """A stable name for a blocking call without a name: `op.noname.file:line`, the same every
-    time that line runs, so the response cache (and the steady state) serves it. None where
-    the call site is unknown (called from C++, as autograd's backward) or where another thread
-    is in the same call from the same line right now: the caller then names it by
-    `auto_name`. Release it with `release_site` once the call has returned.
+def _site_base(op: str, site: tuple[str, int]) -> str:
+    return f"{op}.noname.{site[0]}:{site[1]}"
+
+
+class claimed_site:
+    """For a blocking call without a name, while it runs (`with claimed_site(op, set) as
+    name:`): a stable name, `op.noname.file:line`, the same every time that line runs, so the
+    response cache (and the steady state) serves it. None when not `wanted`, where the call
+    site is unknown (called from C++, as autograd's backward), or where another thread is in
+    the same call from the same line right now: the caller then names it by `auto_name`.
 
     Why: a per-call counter made every unnamed call a cache miss. In the steady state a miss
     sends the whole set back to the coordinator, so one `hvd.allreduce(loss)` per step took a
     step of ten cached gradient allreduces from ~0.7 to ~3.2 ms on 2 ranks. Blocking calls from
     one line follow each other on every rank, so the k-th call still meets the k-th call of the
-    other ranks, as with the counter."""
-    site = call_site()
-    if site is None:
-        return None
-    key = (f"{op}.noname.{site[0]}:{site[1]}", set_id)
-    with _lock:
-        if key in _claimed:
-            return None
-        _claimed.add(key)
-    return key[0]
+    other ranks, as with the counter. (A class, not a generator: the call site is read where
+    the object is made, in hvdlite's frames, not inside contextlib's.)"""
 
+    __slots__ = ("_key",)
 
-def release_site(name: str, set_id: int = 0) -> None:
-    with _lock:
-        _claimed.discard((name, set_id))
+    def __init__(self, op: str, set_id: int = 0, wanted: bool = True):
+        site = call_site() if wanted else None
+        self._key = None
+        if site is not None:
+            key = (_site_base(op, site), set_id)
+            with _lock:
+                if key not in _claimed:
+                    _claimed.add(key)
+                    self._key = key
+
+    def __enter__(self) -> str | None:
+        return None if self._key is None else self._key[0]
+
+    def __exit__(self, *exc) -> None:
+        if self._key is not None:
+            with _lock:
+                _claimed.discard(self._key)
+            self._key = None
 
 
 def site_name(prefix: str) -> str:

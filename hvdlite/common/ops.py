@@ -253,27 +253,29 @@ def allreduce_now(buffer: Buffer, output: Buffer, *, name: Optional[str] = None,
     else (no name, a first sight, a changed signature, something else in flight, Adasum, a
     GPU buffer, a timeline) is exactly `allreduce([buffer], ...).wait()[0]`, with every check
     and error message of that path. Without a name, the call is named by its line, the same
-    every time (naming.claim_site), so it is cached like a named one."""
+    every time (naming.claimed_site), so it is cached like a named one."""
     sid = set_id(process_set)
-    claimed = naming.claim_site("allreduce", sid) if name is None else None
-    if claimed is not None:
-        name = claimed
-    try:
-        if isinstance(name, str) and op in REDUCE_OPS:
-            state = _state()
-            req = _request(state.rank, name, ALLREDUCE, buffer, sid, True,
-                           reduce_op=op, prescale=float(prescale), postscale=float(postscale))
-            engine = state.engine
-            done = engine.express(Entry(req, _contiguous(buffer), output))
-            if done is True:
-                return output
-            if done is not None:
-                return Handle(done, _first, engine.alive).wait()
-        return allreduce([buffer], names=name, op=op, prescale=prescale, postscale=postscale,
-                         process_set=process_set, outputs=[output]).wait()[0]
-    finally:
-        if claimed is not None:
-            naming.release_site(claimed, sid)
+    if name is None:            # (the context manager stays off the named calls' hot path)
+        with naming.claimed_site("allreduce", sid) as claimed:
+            return _allreduce_now(buffer, output, claimed, op, prescale, postscale,
+                                  process_set, sid)
+    return _allreduce_now(buffer, output, name, op, prescale, postscale, process_set, sid)
+
+
+def _allreduce_now(buffer: Buffer, output: Buffer, name: Optional[str], op: int,
+                   prescale: float, postscale: float, process_set, sid: int) -> Buffer:
+    if isinstance(name, str) and op in REDUCE_OPS:
+        state = _state()
+        req = _request(state.rank, name, ALLREDUCE, buffer, sid, True,
+                       reduce_op=op, prescale=float(prescale), postscale=float(postscale))
+        engine = state.engine
+        done = engine.express(Entry(req, _contiguous(buffer), output))
+        if done is True:
+            return output
+        if done is not None:
+            return Handle(done, _first, engine.alive).wait()
+    return allreduce([buffer], names=name, op=op, prescale=prescale, postscale=postscale,
+                     process_set=process_set, outputs=[output]).wait()[0]
 
 
 def allgather(buffers: Sequence[Buffer], *, names: Names = None, process_set=None, group=None,

@@ -56,18 +56,14 @@ def _allreduce(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_factor=
     set_id = _set_id(process_set)
     _check_graph("hvd.allreduce")
     # Eager and unnamed: the call runs now, so it is named by its line alone and cached, as
-    # the torch frontend's blocking allreduce (common.naming.claim_site); an unnamed
+    # the torch frontend's blocking allreduce (common.naming.claimed_site); an unnamed
     # hvd.allreduce(loss) per step then keeps the steady state.
-    claimed = _naming.claim_site("allreduce", set_id) \
-        if name is None and tf.executing_eagerly() else None
-    try:
+    with _naming.claimed_site("allreduce", set_id,
+                              wanted=name is None and tf.executing_eagerly()) as claimed:
         wire, cacheable = (claimed, True) if claimed is not None else \
             _wire_name("Allreduce", name, ignore_name_scope, set_id)
         return _allreduce_named(tensor, wire, cacheable, op, float(prescale_factor),
                                 float(postscale_factor), set_id)
-    finally:
-        if claimed is not None:
-            _naming.release_site(claimed, set_id)
 
 
 def _allreduce_named(tensor, wire, cacheable, op, pre, post, set_id):

@@ -185,7 +185,7 @@ def barrier():
 
 
 def unnamed():
-    """A blocking allreduce without a name is named by its line alone (naming.claim_site), so a
+    """A blocking allreduce without a name is named by its line alone (naming.claimed_site), so a
     step with one (a logged loss) stays in the steady state; a changed shape from that line
     still raises the mismatch error, naming the line."""
     def ustep(k):
