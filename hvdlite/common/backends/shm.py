@@ -71,6 +71,7 @@ SHM_DIR = "/dev/shm"
 # (a response cache over 4096 entries) runs its rounds over the control connections instead.
 AGREE_BITS = 4096
 _AGREE_WORDS = 1 + AGREE_BITS // 64            # the fallback word, then the bits
+_WORD = (1 << 64) - 1                           # one agreement word's bits
 # Per rank: its round counter on a cache line of its own, then two rounds' words.
 _AGREE_STRIDE = (64 + 2 * _AGREE_WORDS * 8 + 63) // 64 * 64
 # An allreduce this small is reduced whole by every rank (ShmChannel._allreduce_direct).
@@ -217,9 +218,6 @@ class ShmAgreement:
     def close(self) -> None:
         """Release the view of the segment, so its mapping can close."""
         self._mv.release()
-
-
-_WORD = (1 << 64) - 1
 
 
 class ShmAgreementRequest:
