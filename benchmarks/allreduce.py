@@ -51,6 +51,9 @@ class RawGloo:
     def allreduce(self, t: torch.Tensor) -> None:
         self.pg.allreduce([t]).wait()
 
+    def barrier(self) -> None:
+        self.pg.barrier().wait()
+
 
 class RawMPI:
     """mpi4py on COMM_WORLD: the transport without hvdlite."""
@@ -64,6 +67,9 @@ class RawMPI:
 
     def allreduce(self, t: torch.Tensor) -> None:
         self.comm.Allreduce(self.mpi.IN_PLACE, t.numpy(), self.mpi.SUM)
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
 
 
 def main():

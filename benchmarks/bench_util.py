@@ -3,6 +3,7 @@ directory is on sys.path)."""
 from __future__ import annotations
 
 import socket
+import statistics
 import time
 from typing import Callable
 
@@ -34,6 +35,22 @@ def timed(fn: Callable[[], None], n: int) -> float:
     for _ in range(n):
         fn()
     return (time.perf_counter() - t0) / n
+
+
+def alternate(hv: Callable[[], None], peer: Callable[[], None], n: int, rounds: int) -> dict:
+    """hvdlite's call against its peer: one warm-up each, then `rounds` alternating rounds of
+    `n` calls. Median µs per call of each, their ratio, and the min-max of the per-round
+    ratios."""
+    hv()
+    peer()
+    a, b = [], []
+    for _ in range(rounds):
+        a.append(timed(hv, n))
+        b.append(timed(peer, n))
+    per_round = [x / y for x, y in zip(a, b)]
+    return {"hvdlite_us": statistics.median(a) * 1e6, "peer_us": statistics.median(b) * 1e6,
+            "ratio": statistics.median(a) / statistics.median(b),
+            "ratio_min": min(per_round), "ratio_max": max(per_round)}
 
 
 def many_small_tensors(n: int = 100, seed: int = 0) -> list[torch.Tensor]:

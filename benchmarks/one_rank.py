@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 
 import torch
 import torch.distributed as dist
 
 import hvdlite.torch as hvd
-from bench_util import hvdlite_async_all, many_small_tensors, timed
+from bench_util import alternate, hvdlite_async_all, many_small_tensors
 from hvdlite.common import basics
 
 
@@ -75,17 +74,9 @@ def main() -> None:
 
 
 def _rounds(what: str, hv, raw, n: int, rounds: int) -> dict:
-    hv()
-    raw()
-    a, b = [], []
-    for _ in range(rounds):
-        a.append(timed(hv, n))
-        b.append(timed(raw, n))
-    per_round = [x / y for x, y in zip(a, b)]
-    return {"what": what, "hvdlite_us": statistics.median(a) * 1e6,
-            "raw_us": statistics.median(b) * 1e6,
-            "ratio": statistics.median(a) / statistics.median(b),
-            "ratio_min": min(per_round), "ratio_max": max(per_round)}
+    row = alternate(hv, raw, n, rounds)
+    return {"what": what, "hvdlite_us": row["hvdlite_us"], "raw_us": row["peer_us"],
+            "ratio": row["ratio"], "ratio_min": row["ratio_min"], "ratio_max": row["ratio_max"]}
 
 
 if __name__ == "__main__":

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
 import hvdlite.torch as hvd
 from allreduce import RawGloo, RawMPI
-from bench_util import timed
+from bench_util import alternate
 
 
 def parse_args():
@@ -33,25 +32,11 @@ def parse_args():
     return p.parse_args()
 
 
-def compare(a, b, rounds: int, calls: int) -> dict:
-    """Median seconds per call of `a` and `b` over alternating rounds, and the ratio a/b."""
-    a(), b()
-    ta, tb = [], []
-    for _ in range(rounds):
-        ta.append(timed(a, calls))
-        tb.append(timed(b, calls))
-    ratios = [x / y for x, y in zip(ta, tb)]
-    return {"hvdlite_us": statistics.median(ta) * 1e6, "peer_us": statistics.median(tb) * 1e6,
-            "ratio": statistics.median(ratios), "ratio_min": min(ratios),
-            "ratio_max": max(ratios)}
-
-
 def main():
     args = parse_args()
     hvd.init()
     torch.set_num_threads(1)
     raw = RawMPI() if hvd.mpi_enabled() else RawGloo()
-    raw_barrier = raw.comm.Barrier if hvd.mpi_enabled() else lambda: raw.pg.barrier().wait()
 
     grads = [torch.ones(1000 + 37 * i) for i in range(27)]
 
@@ -76,11 +61,12 @@ def main():
 
     rows = {
         "grouped": ("grouped_allreduce_ of 27 tensors (4-18 KiB)", "raw, one by one",
-                    compare(grouped, raw_one_by_one, args.rounds, args.calls)),
+                    alternate(grouped, raw_one_by_one, args.calls, args.rounds)),
         "barrier": ("hvd.barrier()", f"raw {raw.name} barrier",
-                    compare(hvd.barrier, raw_barrier, args.rounds, args.calls)),
+                    alternate(hvd.barrier, raw.barrier, args.calls, args.rounds)),
         "unnamed": ("step with an unnamed loss allreduce", "the same step, loss named",
-                    compare(lambda: step(False), lambda: step(True), args.rounds, args.calls)),
+                    alternate(lambda: step(False), lambda: step(True), args.calls,
+                              args.rounds)),
     }
     if hvd.rank() == 0:
         print(f"steady-state paths, {hvd.size()} ranks, {raw.name}, medians of {args.rounds} "
