@@ -66,6 +66,34 @@ def test_hvdlite_run_mpi_runs_the_collective_matrix_on_mpi(np, tmp_path):
 
 
 @pytest.mark.timeout(150)
+def test_fused_allreduce_in_place_members():
+    """A fused allreduce on MPI reduces its members of 64 KiB or more in place, one call each,
+    and the rest through the fusion buffer: exact results for every kind of member (in and out
+    of place, Average/Sum/Max, pre/postscale, float16, int32, grouped), also in the steady
+    state, with the async fusion checks beside them."""
+    from util import Run
+    run = Run("ops_fusion.py", 2, args=["big_and_small_members", "many_async_allreduces",
+                                        "steady_state_all_ops"],
+              env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "5",
+                   "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "10"},
+              timeout=120, launcher_args=["--mpi"])
+    for name in ("big_and_small_members", "many_async_allreduces", "steady_state_all_ops"):
+        run.check(name)
+    run.finished()
+
+
+@pytest.mark.timeout(150)
+def test_join_on_mpi():
+    """Uneven steps then hvd.join() on MPI: the joined rank's zeros go into fused responses
+    whose big members are reduced in place."""
+    from util import Run
+    run = Run("ops_join.py", 4, timeout=120, launcher_args=["--mpi"])
+    for name in ("uneven_allreduce_join", "other_collectives_after_join", "join_twice"):
+        run.check(name)
+    run.finished()
+
+
+@pytest.mark.timeout(150)
 def test_cold_cache_benchmark_runs(tmp_path):
     """benchmarks/cold_cache.py (the README's reason why 16 MiB on MPI stays short of raw)
     runs on MPI, times all four cases and writes its JSON; its timings are not judged here."""

@@ -60,26 +60,11 @@ def test_steady_state_gloo_control_connections():
     _all_checks(Run("steady_state.py", 3, env={"HVDLITE_SHM": "0"}, timeout=150), CHECKS)
 
 
-class MpiRun(Run):
-    """The same worker under `hvdlite-run --mpi` (mpiexec, the MPI transport)."""
-
-    def __init__(self, script: str, np: int, args=None, env=None):
-        from util import hvdlite_run, rank_lines
-        self.script, self.np = script, np
-        proc = hvdlite_run(script, np=np, args=args, env=env, timeout=150,
-                           launcher_args=["--mpi"])
-        self.returncode = proc.returncode
-        self.stdout = proc.stdout
-        self.output = proc.stdout + "\n--- stderr\n" + proc.stderr
-        self.lines = {r: rank_lines(proc.stdout, r) for r in range(np)}
-        self.detail_lines = 30
-
-
 def _mpi(script: str, np: int, args=None, env=None) -> MpiRun:
     from test_mpi import HAVE_MPI
     if not HAVE_MPI:
         pytest.skip("mpi4py/mpiexec not installed (pip install mpi4py mpich)")
-    return MpiRun(script, np, args, env)
+    return Run(script, np, args, env, timeout=150, launcher_args=["--mpi"])
 
 
 @pytest.fixture(scope="module")

@@ -94,10 +94,11 @@ class Run:
     False keeps the output so each check can be judged on its own."""
 
     def __init__(self, script: str, np: int = 2, args=None, env=None, timeout: float = 150,
-                 check_exit: bool = True, detail_lines: int = 30):
+                 check_exit: bool = True, detail_lines: int = 30, launcher_args=None):
         import pytest  # noqa: F401  (fail early if run outside pytest)
         self.script, self.np = script, np
-        proc = hvdlite_run(script, np=np, args=args, env=env, timeout=timeout, check=check_exit)
+        proc = hvdlite_run(script, np=np, args=args, env=env, timeout=timeout, check=check_exit,
+                           launcher_args=launcher_args)
         self.returncode = proc.returncode
         self.stdout = proc.stdout
         self.output = proc.stdout + "\n--- stderr\n" + proc.stderr

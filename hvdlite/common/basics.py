@@ -374,10 +374,12 @@ def engine() -> Engine:
 
 def engine_counters() -> dict:
     """This rank's engine counters: messages to the coordinator, steady-state rounds and the
-    tensors they released, fallbacks to full negotiation (tests and benchmarks read them), and
-    `shm_collectives`: collectives the gloo transport ran through shared memory."""
+    tensors they released, fallbacks to full negotiation (tests and benchmarks read them),
+    `shm_collectives`: collectives the gloo transport ran through shared memory, and
+    `in_place_members`: members of fused allreduces that MPI reduced in place."""
     engine = _require().engine
     counters = dict(engine.counters)
+    counters["in_place_members"] = engine.executor.in_place_members
     counters["shm_collectives"] = sum(getattr(getattr(c, "shm", None), "ops", 0)
                                       for c in list(engine.comms.values()))
     return counters

@@ -4,6 +4,8 @@ Frontends never get here directly. Each collective is a generator: it copies int
 launches the transport call and yields the pending work; whoever drives it (the engine's finisher
 thread) waits for that work and resumes it to scale and copy out. So the engine's background
 thread launches one collective and goes back to negotiating the next while the transport runs.
+A collective of several calls in a row (a fused allreduce on MPI: _allreduce_in_place) yields
+IN_ORDER first and makes them on a communicator that only the finisher launches on.
 Inputs may live on any device; transports that want CPU buffers get them through fusion buffers.
 """
 from __future__ import annotations
@@ -147,12 +149,29 @@ def _on(comm, t: torch.Tensor) -> bool:
     return ("cuda" if t.is_cuda else "cpu" if t.is_cpu else t.device.type) == comm.device
 
 
+class _InOrder:
+    """Work that is already complete: yielded by a collective that must be resumed (and launch
+    its calls) on the engine's finisher thread. It has no is_completed(), so the background
+    thread never polls it inline and always hands it on."""
+
+    __slots__ = ()
+
+    def wait(self) -> None:
+        pass
+
+
+IN_ORDER = _InOrder()
+
+
 class Executor:
     """Runs responses for one rank; holds the fusion buffer and the timeline."""
 
     def __init__(self, timeline=None):
         self.fusion = FusionBuffer()
         self.timeline = timeline
+        # Members of fused allreduces reduced in place (_allreduce_in_place): tests check
+        # that the path ran.
+        self.in_place_members = 0
 
     def _tl(self, names, label):
         if self.timeline is not None and self.timeline.enabled:
@@ -197,12 +216,68 @@ class Executor:
             return
         itemsize = torch.empty((), dtype=dtype).element_size()
         counts = [math.prod(s) for s in resp.shapes]
-        raw = self.fusion.acquire(sum(counts) * itemsize, comm.device)
+        in_order = getattr(comm, "in_order", None)
+        if in_order is not None:
+            big = [i for i, n in enumerate(counts) if n * itemsize >= comm.inplace_min_bytes]
+            if big:
+                yield from self._allreduce_in_place(in_order, resp, inputs, outputs, op, post,
+                                                    counts, big, dtype)
+                return
+        yield from self._fused(comm, resp, inputs, outputs, op, post, counts, dtype)
+
+    def _fused(self, comm, resp, inputs, outputs, op, post, counts, dtype):
+        """Allreduce `inputs` through one fusion buffer: copy in, one call, copy out."""
+        nbytes = sum(counts) * torch.empty((), dtype=dtype).element_size()
+        raw = self.fusion.acquire(nbytes, comm.device)
         try:
             yield from self._allreduce_fused(comm, resp, inputs, outputs, op, post, counts,
-                                             raw[:sum(counts) * itemsize].view(dtype))
+                                             raw[:nbytes].view(dtype))
         finally:
             self.fusion.release(raw)
+
+    def _allreduce_in_place(self, comm, resp, inputs, outputs, op, post, counts, big, dtype):
+        """A fused response on a transport whose calls cost less than copies (MPI on one host):
+        the members listed in `big` are reduced in place in their outputs, one call each, and
+        the rest together through the fusion buffer, all on `comm`, the global set's
+        `in_order` communicator (backends/mpi.py says why only that set has one).
+
+        Why: for 100 tensors of 4-256 KiB, copying 13 MB into the buffer and back took 3.5 ms
+        of a 9 ms fused allreduce on 2 ranks, while the same tensors reduced one by one took
+        raw MPI 4.0 ms in all. Which members go which way depends only on the response (shapes
+        and dtype, the same on every rank), so every rank makes the same calls in the same
+        order. The calls are launched one after another by whoever resumes this generator: it
+        first yields IN_ORDER, so the engine hands it to its finisher thread, the one thread
+        that launches on `in_order`.
+        """
+        yield IN_ORDER
+        names = resp.names
+        wanted = set(big)
+        rest = [i for i in range(len(counts)) if i not in wanted]
+        if len(rest) > 1:
+            yield from self._fused(comm, resp, [inputs[i] for i in rest],
+                                   [outputs[i] for i in rest], op, post,
+                                   [counts[i] for i in rest], dtype)
+        elif rest:
+            big = rest + big
+        self._tl(names, "ALLREDUCE")
+        self.in_place_members += len(big)
+        for i in big:
+            src, out = inputs[i], outputs[i]
+            if out is None:                        # a joined rank's zeros: reduced, then dropped
+                work = src
+            elif out.is_contiguous() and _on(comm, out):
+                work = out
+                if not _same_memory(src, out):
+                    out.copy_(src)
+            else:
+                work = src.to(comm.device, copy=True).contiguous()
+            scale_(work, resp.prescale)
+            yield comm.allreduce(work, op)
+            if work is not out and out is not None:
+                out.copy_(work)
+                scale_(out, post)
+            else:
+                scale_(work, post)
 
     def _allreduce_fused(self, comm, resp, inputs, outputs, op, post, counts, buf):
         names = resp.names

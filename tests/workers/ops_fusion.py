@@ -10,6 +10,7 @@ import sys
 import torch
 
 import hvdlite.torch as hvd
+from hvdlite.common import basics
 from ops_common import all_inputs, check, finish, gen, my_rows, reduce_ref, same
 
 hvd.init()
@@ -161,7 +162,48 @@ def sync_loop_same_names():
              f"loop iteration {it}")
 
 
+def big_and_small_members(iters: int = 6):
+    """Fused allreduces whose members straddle the MPI transport's in-place size (64 KiB): MPI
+    reduces the big members in place, one call each, and the small ones through the fusion
+    buffer (collectives.Executor._allreduce_in_place); other transports fuse them all. Every
+    kind of member a response can hold: in place and out of place, Average and Sum with pre-
+    and postscale, float16 (widened by MPI), int32 Average (truncated), float64, and a grouped
+    call of big and small members. Exact results every iteration, the steady state's included.
+    """
+    specs = [  # name, shape, dtype, op, prescale, postscale, in place
+        ("b32", (20000,), torch.float32, hvd.Sum, 1.0, 1.0, True),
+        ("s32", (7, 3), torch.float32, hvd.Average, 1.0, 1.0, True),
+        ("b16", (200, 200), torch.float16, hvd.Sum, 1.0, 1.0, False),
+        ("bavg", (300, 100), torch.float32, hvd.Average, 0.5, 3.0, False),
+        ("s64", (33,), torch.float64, hvd.Sum, 2.0, 1.0, True),
+        ("bint", (40000,), torch.int32, hvd.Average, 1.0, 1.0, True),
+        ("b64", (9000,), torch.float64, hvd.Max, 1.0, 1.0, False),
+    ]
+    for it in range(iters):
+        handles = []
+        for name, shape, dtype, op, pre, post, inplace in specs:
+            x = gen(rank, shape, dtype, ("bs", name, it))
+            ref = reduce_ref(all_inputs(size, shape, dtype, ("bs", name, it)), op, pre, post)
+            submit = hvd.allreduce_async_ if inplace else hvd.allreduce_async
+            h = submit(x, name=f"bs.{name}", op=op, prescale_factor=pre,
+                       postscale_factor=post)
+            handles.append((name, h, x if inplace else None, ref))
+        shapes = [(17000,), (5,), (130, 130)]
+        xs = [gen(rank, s, torch.float32, ("bs.g", k, it)) for k, s in enumerate(shapes)]
+        refs = [reduce_ref(all_inputs(size, s, torch.float32, ("bs.g", k, it)), hvd.Average)
+                for k, s in enumerate(shapes)]
+        hg = hvd.grouped_allreduce_async(xs, name="bs.group")
+        for name, h, x, ref in handles:
+            y = hvd.synchronize(h)
+            same(x if x is not None else y, ref, f"iteration {it} {name}")
+        for k, (y, ref) in enumerate(zip(hvd.synchronize(hg), refs)):
+            same(y, ref, f"iteration {it} grouped [{k}]")
+    if hvd.mpi_enabled() and basics.engine_counters()["in_place_members"] == 0:
+        raise AssertionError("no fused member was reduced in place on MPI")
+
+
 CHECKS = {
+    "big_and_small_members": big_and_small_members,
     "many_async_allreduces": lambda: many_async_allreduces(ITERS + 2, False),
     "many_async_allreduces_mixed_order": lambda: many_async_allreduces(3, True),
     "steady_state_all_ops": steady_state,

@@ -30,7 +30,10 @@ def uneven_allreduce():
         ha = hvd.allreduce_async(a, name="join.a", op=hvd.Average)
         hb = hvd.allreduce_async(b, name="join.b", op=hvd.Sum)
         yc = hvd.allreduce(c, op=hvd.Sum, name="join.c", postscale_factor=2.0)
-        gs = hvd.grouped_allreduce([a, b.to(torch.float32)], name="join.g", op=hvd.Sum)
+        # A member of 80 KB: on MPI, reduced in place in the fused response (the joined
+        # rank's zeros included).
+        big = gen(rank, (20000,), torch.float32, ("join.big", step))
+        gs = hvd.grouped_allreduce([a, b.to(torch.float32), big], name="join.g", op=hvd.Sum)
         # Average still divides by the full size: joined ranks count as zeros.
         same(hvd.synchronize(ha),
              reduce_ref(inputs((4, 3), torch.float32, ("join.a", step)), hvd.Average),
@@ -44,6 +47,8 @@ def uneven_allreduce():
         same(gs[1], reduce_ref([t.to(torch.float32) for t in
                                 inputs((5,), torch.int32, ("join.b", step))], hvd.Sum),
              f"step {step} grouped [1]")
+        same(gs[2], reduce_ref(inputs((20000,), torch.float32, ("join.big", step)), hvd.Sum),
+             f"step {step} grouped [2], 80 KB")
     last = hvd.join()
     assert last == size - 1, f"join() returned {last}, expected the last joined rank {size - 1}"
     # After everyone joined, collectives are back to normal.

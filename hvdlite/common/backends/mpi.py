@@ -164,10 +164,18 @@ class AgreementRequest:
         return int.from_bytes(view[:-8], "little"), view[-8:] != _NO_FALLBACK
 
 
+# A fused allreduce's members of at least this many bytes are reduced in place, one MPI call
+# each (collectives.Executor._allreduce_in_place), instead of through the fusion buffer: MPI's
+# per-call cost on one host (~15 us with the Python around it) is below what copying 64 KiB
+# into the buffer and back costs (~17 us with both ranks copying at once).
+INPLACE_MIN_BYTES = 64 << 10
+
+
 class MPICommunicator:
     device = "cpu"
+    inplace_min_bytes = INPLACE_MIN_BYTES
 
-    def __init__(self, comm):
+    def __init__(self, comm, in_order: bool = False, rounds: bool = True):
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise RuntimeError(
                 "the MPI transport needs MPI_THREAD_MULTIPLE, but this MPI provides thread "
@@ -181,15 +189,26 @@ class MPICommunicator:
         # finisher thread (Engine._poll_inline): MPI's shared-memory latency is a few us, far
         # below a thread hand-off. Not when ranks outnumber cores: polling would take the core.
         self.inline_poll_s = 0.0 if self.yielding else INLINE_POLL_S
-        self.agreement = Agreement(comm)
+        # `rounds`: the steady state's rounds run on a duplicate of `comm` (Agreement).
+        # `in_order`: another duplicate, on which only the engine's finisher thread launches
+        # collectives, one after another in the order the ranks released them; so a collective
+        # made of several calls (collectives.Executor._allreduce_in_place) never interleaves
+        # with the calls the background thread launches on `comm` meanwhile: MPI matches each
+        # communicator's collectives in call order, which two threads would not keep. One
+        # communicator of a job has it (the global set's for CPU tensors: select.py): the
+        # finisher serves every communicator from one queue, in each rank's own release order,
+        # so calls that two communicators left to it could wait on each other across ranks (A's
+        # first on one rank, B's first on another).
+        self.agreement = Agreement(comm) if rounds else None
+        self.in_order = MPICommunicator(comm.Dup(), rounds=False) if in_order else None
 
     @classmethod
-    def for_ranks(cls, world, ranks: list[int]) -> "MPICommunicator":
+    def for_ranks(cls, world, ranks: list[int], in_order: bool = False) -> "MPICommunicator":
         """A communicator over `ranks` of the job's world; collective over those ranks only."""
         if len(ranks) == world.Get_size():
-            return cls(world.Dup())
+            return cls(world.Dup(), in_order)
         group = world.Get_group().Incl(list(ranks))
-        return cls(world.Create_group(group))
+        return cls(world.Create_group(group), in_order)
 
     def allreduce(self, tensor: torch.Tensor, op: int):
         wide = _WIDEN.get(tensor.dtype)
@@ -221,7 +240,10 @@ class MPICommunicator:
         return _Request(req, yielding=self.yielding)
 
     def close(self) -> None:
-        self.agreement.close()
+        if self.agreement is not None:
+            self.agreement.close()
+        if self.in_order is not None:
+            self.in_order.close()
         _free(self.comm)
         self.comm = None
 

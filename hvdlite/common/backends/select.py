@@ -54,7 +54,9 @@ def comm_factory(transport: str, *, store, prefix: str, world, rank: int,
             return nccl_backend.NCCLCommunicator(store, f"{prefix}nccl/{set_id}/",
                                                  ranks.index(rank), len(ranks), timeout_s)
         if transport == "mpi":
-            return mpi_backend.MPICommunicator.for_ranks(world, ranks)
+            # (Only one communicator may have an in-order duplicate: backends/mpi.py.)
+            return mpi_backend.MPICommunicator.for_ranks(
+                world, ranks, in_order=set_id == 0 and kind == "cpu")
         return GlooCommunicator(store, f"{prefix}pg/{set_id}/", ranks.index(rank), len(ranks),
                                 timeout_s)
 
