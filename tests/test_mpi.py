@@ -85,9 +85,10 @@ def test_fused_allreduce_in_place_members():
 @pytest.mark.timeout(150)
 def test_join_on_mpi():
     """Uneven steps then hvd.join() on MPI: the joined rank's zeros go into fused responses
-    whose big members are reduced in place."""
+    whose big members are reduced in place (2 ranks: with more ranks than cores, waits yield
+    the core and fused responses keep one call)."""
     from util import Run
-    run = Run("ops_join.py", 4, timeout=120, launcher_args=["--mpi"])
+    run = Run("ops_join.py", 2, timeout=120, launcher_args=["--mpi"])
     for name in ("uneven_allreduce_join", "other_collectives_after_join", "join_twice"):
         run.check(name)
     run.finished()

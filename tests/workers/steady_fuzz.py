@@ -86,7 +86,9 @@ def fuzz():
     if c["steady_entered"] < 10:
         fail(f"the fuzz hardly reached the steady state: {c}")
     if hvd.mpi_enabled() and c["in_place_members"] < 10:
-        fail(f"the fuzz hardly fused a big member on MPI: {c}")
+        from hvdlite.common.backends.mpi import wait_mode
+        if wait_mode() == "spin":         # (ranks that yield the core fuse them all)
+            fail(f"the fuzz hardly reduced a big member in place on MPI: {c}")
 
 
 check("fuzz", fuzz)
