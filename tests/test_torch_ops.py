@@ -60,8 +60,9 @@ FUSION_CONFIGS = {
     "no_cache": {"HOROVOD_CACHE_CAPACITY": "0"},
     "cache2": {"HOROVOD_CACHE_CAPACITY": "2"},
 }
-FUSION_CHECKS = ["big_and_small_members", "many_async_allreduces", "many_async_allreduces_mixed_order",
-                 "steady_state_all_ops", "many_async_mixed_ops", "sync_loop_shape_change"]
+FUSION_CHECKS = ["big_and_small_members", "many_async_allreduces",
+                 "many_async_allreduces_mixed_order", "steady_state_all_ops",
+                 "many_async_mixed_ops", "sync_loop_shape_change"]
 
 
 @pytest.fixture(scope="module", params=list(FUSION_CONFIGS))
