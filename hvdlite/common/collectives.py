@@ -178,6 +178,21 @@ class Executor:
             self.timeline.activity_end(names)
             self.timeline.activity(names, label)
 
+    def _reduce_into(self, comm, src: torch.Tensor, out: torch.Tensor, op: int, prescale: float,
+                     post: float, names=None):
+        """Allreduce `src` in `out` (contiguous, on `comm`'s device), prescaled, then
+        postscaled: a lone tensor, or a member of a fused response that skips the fusion
+        buffer. `names`: the timeline's ALLREDUCE phase starts at the transport call."""
+        # In-place calls hand the same storage in as two tensor objects: comparing objects
+        # copied a 64 MiB gradient onto itself before every transfer.
+        if not _same_memory(src, out):
+            out.copy_(src)
+        scale_(out, prescale)
+        if names is not None:
+            self._tl(names, "ALLREDUCE")
+        yield comm.allreduce(out, op)
+        scale_(out, post)
+
     # ------------------------------------------------------------------ allreduce
     def allreduce(self, comm, resp: Response, inputs: list, outputs: list) -> None:
         dtype = DTYPES[resp.dtype]
@@ -204,15 +219,8 @@ class Executor:
                 yield work
                 return
         if len(inputs) == 1 and outputs[0] is not None and _on(comm, outputs[0]):
-            out, src = outputs[0], inputs[0]
-            # In-place calls hand the same storage in as two tensor objects: comparing objects
-            # copied a 64 MiB gradient onto itself before every transfer.
-            if not _same_memory(src, out):
-                out.copy_(src)
-            scale_(out, resp.prescale)
-            self._tl(names, "ALLREDUCE")
-            yield comm.allreduce(out, op)
-            scale_(out, post)
+            yield from self._reduce_into(comm, inputs[0], outputs[0], op, resp.prescale, post,
+                                         names)
             return
         itemsize = torch.empty((), dtype=dtype).element_size()
         counts = [math.prod(s) for s in resp.shapes]
@@ -221,13 +229,13 @@ class Executor:
             big = [i for i, n in enumerate(counts) if n * itemsize >= comm.inplace_min_bytes]
             if big:
                 yield from self._allreduce_in_place(in_order, resp, inputs, outputs, op, post,
-                                                    counts, big, dtype)
+                                                    counts, big, dtype, itemsize)
                 return
-        yield from self._fused(comm, resp, inputs, outputs, op, post, counts, dtype)
+        yield from self._fused(comm, resp, inputs, outputs, op, post, counts, dtype, itemsize)
 
-    def _fused(self, comm, resp, inputs, outputs, op, post, counts, dtype):
+    def _fused(self, comm, resp, inputs, outputs, op, post, counts, dtype, itemsize):
         """Allreduce `inputs` through one fusion buffer: copy in, one call, copy out."""
-        nbytes = sum(counts) * torch.empty((), dtype=dtype).element_size()
+        nbytes = sum(counts) * itemsize
         raw = self.fusion.acquire(nbytes, comm.device)
         try:
             yield from self._allreduce_fused(comm, resp, inputs, outputs, op, post, counts,
@@ -235,7 +243,8 @@ class Executor:
         finally:
             self.fusion.release(raw)
 
-    def _allreduce_in_place(self, comm, resp, inputs, outputs, op, post, counts, big, dtype):
+    def _allreduce_in_place(self, comm, resp, inputs, outputs, op, post, counts, big, dtype,
+                            itemsize):
         """A fused response on a transport whose calls cost less than copies (MPI on one host):
         the members listed in `big` are reduced in place in their outputs, one call each, and
         the rest together through the fusion buffer, all on `comm`, the global set's
@@ -250,34 +259,26 @@ class Executor:
         that launches on `in_order`.
         """
         yield IN_ORDER
-        names = resp.names
         wanted = set(big)
         rest = [i for i in range(len(counts)) if i not in wanted]
         if len(rest) > 1:
             yield from self._fused(comm, resp, [inputs[i] for i in rest],
                                    [outputs[i] for i in rest], op, post,
-                                   [counts[i] for i in rest], dtype)
+                                   [counts[i] for i in rest], dtype, itemsize)
         elif rest:
             big = rest + big
-        self._tl(names, "ALLREDUCE")
+        self._tl(resp.names, "ALLREDUCE")
         self.in_place_members += len(big)
         for i in big:
             src, out = inputs[i], outputs[i]
             if out is None:                        # a joined rank's zeros: reduced, then dropped
-                work = src
+                yield from self._reduce_into(comm, src, src, op, resp.prescale, post)
             elif out.is_contiguous() and _on(comm, out):
-                work = out
-                if not _same_memory(src, out):
-                    out.copy_(src)
-            else:
-                work = src.to(comm.device, copy=True).contiguous()
-            scale_(work, resp.prescale)
-            yield comm.allreduce(work, op)
-            if work is not out and out is not None:
+                yield from self._reduce_into(comm, src, out, op, resp.prescale, post)
+            else:                                  # reduced in a contiguous copy, copied back
+                work = torch.empty(src.shape, dtype=src.dtype, device=comm.device)
+                yield from self._reduce_into(comm, src, work, op, resp.prescale, post)
                 out.copy_(work)
-                scale_(out, post)
-            else:
-                scale_(work, post)
 
     def _allreduce_fused(self, comm, resp, inputs, outputs, op, post, counts, buf):
         names = resp.names

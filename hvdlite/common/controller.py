@@ -34,7 +34,7 @@ from .protocol import Item, Msg
 from .rendezvous import server_handshake
 from .response_cache import CoordinatorCache
 from .stall import StallInspector
-from .steady import COMPACT_WIDTH, gone_message
+from .steady import COMPACT_WIDTH, gone_message, set_bits
 from .wire import Channel, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -458,11 +458,7 @@ class Coordinator:
                 self._on_request(rank, req, ready, out)
             for set_id, mask in hits:
                 if self._sent_before_steady(rank, set_id, tags):
-                    bits = bounced.setdefault(set_id, ([], []))[1]
-                    while mask:
-                        low = mask & -mask
-                        mask ^= low
-                        bits.append(low.bit_length() - 1)
+                    bounced.setdefault(set_id, ([], []))[1].extend(set_bits(mask))
                     continue
                 self._on_hits(rank, set_id, mask, ready, out)
             for set_id, (names, bits) in bounced.items():
@@ -609,11 +605,8 @@ class Coordinator:
         stale = mask & ~s.cache.valid_mask
         mask &= s.cache.valid_mask
         now = time.monotonic()
-        new = mask & ~s.pending_bits[idx]
-        while new:
-            low = new & -new
-            s.bit_seen.setdefault(low.bit_length() - 1, now)
-            new ^= low
+        for bit in set_bits(mask & ~s.pending_bits[idx]):
+            s.bit_seen.setdefault(bit, now)
         # The live bits are pending before the stale ones below are handled: a stale bit's
         # request may complete a tensor whose new cache entry evicts one of these bits, and
         # _retire_bits turns only pending bits back into requests. (Added after, an evicted
@@ -624,10 +617,7 @@ class Coordinator:
             # The rank used a bit the coordinator has since retired: treat it as a full request,
             # or, once the retired entry is forgotten too, ask the rank to send it in full.
             resend = []
-            while stale:
-                low = stale & -stale
-                bit = low.bit_length() - 1
-                stale ^= low
+            for bit in set_bits(stale):
                 entry = s.cache.lookup_bit(bit)
                 if entry is None:
                     resend.append(bit)
@@ -649,10 +639,7 @@ class Coordinator:
         for j in range(len(s.pending_bits)):
             s.pending_bits[j] &= ~common
         joined = tuple(sorted(s.joined))
-        while common:
-            low = common & -common
-            bit = low.bit_length() - 1
-            common ^= low
+        for bit in set_bits(common):
             s.bit_seen.pop(bit, None)
             entry = s.cache.by_bit[bit]
             s.cache.touch(entry)
@@ -709,10 +696,8 @@ class Coordinator:
     def _bit_names(s: SetState, bits: int) -> list:
         """The tensor names behind a mask of cache bits (bits the cache forgot are skipped)."""
         names = []
-        while bits:
-            low = bits & -bits
-            bits ^= low
-            entry = s.cache.lookup_bit(low.bit_length() - 1)
+        for bit in set_bits(bits):
+            entry = s.cache.lookup_bit(bit)
             if entry is not None:
                 names.append(entry.template.names[0])
         return names

@@ -891,9 +891,9 @@ class Engine:
                 else:
                     rest.append(e)
             for sid, mine in by_set.items():
-                self._steady_add(self.steady[sid], mine)
-            for sid in by_set:
-                self._steady_kick(self.steady[sid])
+                st = self.steady[sid]
+                self._steady_add(st, mine)
+                self._steady_kick(st)
             entries = rest
         if entries:
             self._send_entries(entries, self.epochs)

@@ -184,6 +184,15 @@ class Round:
         return out
 
 
+def set_bits(mask: int):
+    """The positions of `mask`'s set bits, lowest first (cache bits in a round's or a rank's
+    mask)."""
+    while mask:
+        low = mask & -mask
+        mask ^= low
+        yield low.bit_length() - 1
+
+
 # Past this many bits handed out, the steady state's transport rounds carry only the live ones
 # ("D"'s slots). Below it the rounds carry bits as they are (no mapping on the hot path); 1024
 # bits are 16 words of a shared-memory agreement or of an MPI round.
@@ -208,10 +217,8 @@ class TransportRound:
         if slots is not None:
             # Carry bit slots[i] at position i ("D"'s compaction).
             packed = 0
-            while bits:
-                low = bits & -bits
-                bits ^= low
-                i = slot_of.get(low.bit_length() - 1)
+            for bit in set_bits(bits):
+                i = slot_of.get(bit)
                 if i is None:
                     fallback = True      # not live at "D": cannot happen (see below)
                 else:
@@ -232,12 +239,7 @@ class TransportRound:
             common, fallback = self.request.value()
             slots = self.slots
             if slots is not None:
-                bits = 0
-                while common:
-                    low = common & -common
-                    common ^= low
-                    bits |= 1 << slots[low.bit_length() - 1]
-                common = bits
+                common = sum(1 << slots[i] for i in set_bits(common))
             self.result = (common, fallback)
         return self.result is not None
 
@@ -305,7 +307,7 @@ class SteadySet:
         self.round = None
         self.round_no += 1
         out = []
-        while common:
+        while common:            # (inline, not set_bits: the express lane runs this per call)
             low = common & -common
             common ^= low
             out.append((low.bit_length() - 1, self.pending.pop(low.bit_length() - 1)))
