@@ -15,6 +15,7 @@ CHECKS = [
     "gradient_predivide_factor",
     "backward_passes_per_step_2",
     "too_many_backward_passes",
+    "backward_raises_midway",
     "groups_int_and_num_groups",
     "groups_list",
     "sparse_gradients",
@@ -28,10 +29,15 @@ CHECKS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def checks_output() -> Run:
-    """One 2-rank launch runs every check; each test below reads its own result line."""
-    return Run("torch_optimizer_checks.py", np=2, timeout=100, check_exit=False)
+@pytest.fixture(scope="module", params=["deferred", "per-hook"])
+def checks_output(request) -> Run:
+    """One 2-rank launch per gradient path runs every check; each test below reads its own
+    result line. "deferred": one core per rank, so the gradients of a backward pass are
+    submitted together when it ends; "per-hook": an explicit bucket size, so each gradient is
+    submitted from its hook (the worker asserts which path the engine chose)."""
+    env = {"HVDLITE_BUCKET_CAP_MB": "25"} if request.param == "per-hook" else None
+    return Run("torch_optimizer_checks.py", np=2, args=["--path", request.param], env=env,
+               timeout=100, check_exit=False)
 
 
 @pytest.mark.timeout(120)

@@ -30,7 +30,9 @@ A host with no more cores than ranks sends a pass of CPU tensors as one bucket
 (whole_pass_on_host): no rank has a core to spare there, so a transfer that overlaps
 backpropagation only takes the core from it (and MPI's waits poll), while the whole step still
 ends with the slowest rank. A pass with a GPU tensor keeps DDP's buckets: its backpropagation
-runs on the GPU, and the overlap is what hides the transfer.
+runs on the GPU, and the overlap is what hides the transfer. Where a pass is one bucket, the
+torch optimizer submits a backward pass's gradients together when it ends (ops.whole_pass),
+since each would wait here for the last one anyway.
 """
 from __future__ import annotations
 

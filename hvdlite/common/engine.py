@@ -336,6 +336,12 @@ class Engine:
     def alive(self) -> bool:
         return self.thread.is_alive()
 
+    @property
+    def whole_pass(self) -> bool:
+        """Whether this rank holds a step's CPU allreduces until the step has submitted them
+        all, and sends them as one bucket (buckets.whole_pass_on_host)."""
+        return self.buckets.enabled and self.buckets.cpu_whole_pass
+
     def enqueue(self, entries: list[Entry]) -> Handle:
         """Submit tensors; raises at once for misuse that no other rank needs to hear about."""
         handle = Handle(entries)

@@ -241,6 +241,17 @@ def allreduce(buffers: Sequence[Buffer], *, names: Names = None, op: int = AVERA
     return _submit(entries)
 
 
+def whole_pass() -> bool:
+    """Whether this rank sends a training step's CPU gradients as one bucket, once the step
+    has submitted them all (buckets.whole_pass_on_host: a host with no core to spare per rank).
+
+    Why a frontend asks: there, a gradient submitted from its autograd hook waits for the last
+    one anyway, so a frontend may as well submit them together when backpropagation ends, in
+    one call, rather than run a submission's Python once per gradient in the middle of it
+    (torch/optimizer.py says what that cost)."""
+    return _state().engine.whole_pass
+
+
 def allreduce_now(buffer: Buffer, output: Buffer, *, name: Optional[str] = None,
                   op: int = AVERAGE, prescale: float = 1.0, postscale: float = 1.0,
                   process_set=None) -> Buffer:

@@ -5,6 +5,7 @@ submits every collective to the common engine.
 """
 from __future__ import annotations
 
+import operator
 import threading
 
 import torch
@@ -129,6 +130,25 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     t = tensor.detach()                # one object as input and output: reduced in place
     return _allreduce_async([t], [t], name, op, prescale_factor,
                             postscale_factor, process_set, grouped=False)
+
+
+def _allreduce_batch_async(tensors, names, op, prescale_factor, postscale_factor,
+                           process_set) -> list[int]:
+    """In-place allreduces of several contiguous tensors submitted in one call, each its own
+    collective under its own name (not a group: nothing ties their release together), as
+    that many allreduce_async_ calls would; returns their integer handles, which poll() and
+    synchronize() take as any other. (DistributedOptimizer's gradients deferred to the end of
+    backpropagation.)"""
+    handle = _ops.allreduce(tensors, names=names, op=op, prescale=prescale_factor,
+                            postscale=postscale_factor, process_set=process_set,
+                            outputs=tensors)
+    global _next_handle
+    with _handle_lock:
+        first = _next_handle + 1
+        _next_handle += len(tensors)
+        for i in range(len(tensors)):
+            _handle_map[first + i] = (handle, operator.itemgetter(i))
+    return list(range(first, first + len(tensors)))
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,

@@ -3,26 +3,42 @@
 Every rank builds the whole global batch from a seeded generator and trains on its own slice;
 the reference model (same seed) trains in this process on the whole batch with the equivalent
 plain optimizer. After a few steps each rank's weights must equal the reference, and be
-identical on every rank. Prints one `CHECK <name> OK|FAIL` line per check and `FINISHED` (tests/workers/harness.py).
+identical on every rank. Prints one `CHECK <name> OK|FAIL` line per check and `FINISHED`
+(tests/workers/harness.py).
+
+Run twice (tests/test_torch_optimizer.py): `--path deferred` gives each rank one core, so the
+engine sends a step's gradients as one bucket and the optimizer submits them together when
+backpropagation ends; `--path per-hook` sets the bucket size explicitly (HVDLITE_BUCKET_CAP_MB),
+so every gradient is submitted from its own hook, as in Horovod. The checks are the same.
 """
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+PATH = sys.argv[sys.argv.index("--path") + 1]
+if PATH == "deferred":
+    # One core per rank (before init: the engine decides its buckets from this).
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[int(os.environ["HOROVOD_RANK"]) % len(cores)]})
 
-import hvdlite.torch as hvd
-import harness
-import hvdlite.torch.optimizer as hopt
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import hvdlite.torch as hvd  # noqa: E402
+import harness  # noqa: E402
+import hvdlite.torch.optimizer as hopt  # noqa: E402
+from hvdlite.common import ops as hops  # noqa: E402
 
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
 torch.set_num_threads(1)
 N_LOCAL = 4
 STEPS = 4
+DEFERRED = PATH == "deferred"
+assert hops.whole_pass() == DEFERRED, (PATH, hops.whole_pass())
 
 # Record what the optimizer hands to the collectives (names, op, scale factors, process set).
 CALLS: list[dict] = []
@@ -31,9 +47,26 @@ _orig_grouped_allreduce_async_ = hopt.grouped_allreduce_async_
 _orig_sparse_allreduce_async = hopt.sparse_allreduce_async
 
 
+_orig_allreduce_batch_async = hopt._allreduce_batch_async
+
+
 def _rec_allreduce_async_(tensor, **kw):
-    CALLS.append(dict(kind="allreduce", **kw))
+    CALLS.append(dict(kind="allreduce", deferred=False, **kw))
     return _orig_allreduce_async_(tensor, **kw)
+
+
+BATCHES: list[int] = []     # tensors per deferred submission
+
+
+def _rec_allreduce_batch_async(tensors, names, op, prescale_factor, postscale_factor,
+                               process_set):
+    # Each tensor of a deferred batch is its own allreduce: one record each.
+    BATCHES.append(len(tensors))
+    CALLS.extend(dict(kind="allreduce", deferred=True, name=n, op=op,
+                      prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                      process_set=process_set) for n in names)
+    return _orig_allreduce_batch_async(tensors, names, op, prescale_factor, postscale_factor,
+                                       process_set)
 
 
 def _rec_grouped_allreduce_async_(tensors, **kw):
@@ -47,6 +80,7 @@ def _rec_sparse_allreduce_async(tensor, **kw):
 
 
 hopt.allreduce_async_ = _rec_allreduce_async_
+hopt._allreduce_batch_async = _rec_allreduce_batch_async
 hopt.grouped_allreduce_async_ = _rec_grouped_allreduce_async_
 hopt.sparse_allreduce_async = _rec_sparse_allreduce_async
 
@@ -111,6 +145,7 @@ def check(fn):
 @check
 def named_parameters_average():
     CALLS.clear()
+    BATCHES.clear()
     model, ref = make_model(), make_model()
     base = sgd(model)
     opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
@@ -134,6 +169,9 @@ def named_parameters_average():
                and c["postscale_factor"] == 1.0 and c["process_set"] is hvd.global_process_set
                for c in CALLS), CALLS
     assert len(CALLS) == STEPS * 4, len(CALLS)
+    assert all(c["deferred"] == DEFERRED for c in CALLS), (PATH, CALLS)
+    # Deferred: one submission per backward pass, when it ends, with all four gradients.
+    assert BATCHES == ([4] * STEPS if DEFERRED else []), BATCHES
 
 
 @check
@@ -254,6 +292,49 @@ def too_many_backward_passes():
             assert str(exc) == "backward_passes_per_step must be > 0"
         else:
             raise AssertionError("backward_passes_per_step <= 0 did not raise")
+
+
+class _FailsBackward(torch.autograd.Function):
+    """Identity whose backward raises: backpropagation stops half-way through the model."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward fails here on purpose")
+
+
+@check
+def backward_raises_midway():
+    # The second layer's gradients are ready (and, deferred, not yet submitted) when
+    # backpropagation raises; synchronize() must still reduce them, and the first layer's
+    # (never computed) count as zeros, as for an unused parameter.
+    model = make_model()
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    x, y = global_batch(0, salt=11)
+    first, _, second = model
+    out = second(_FailsBackward.apply(torch.tanh(first(local(x)))))
+    try:
+        F.mse_loss(out, local(y)).backward()
+    except RuntimeError as exc:
+        assert "on purpose" in str(exc), str(exc)
+    else:
+        raise AssertionError("backward did not raise")
+    assert first.weight.grad is None
+    # Deferred: the pass never reached its end, so its two gradients wait, unsubmitted.
+    assert len(opt._deferred) == (2 if DEFERRED else 0), opt._deferred
+    local_grads = [second.weight.grad.clone(), second.bias.grad.clone()]
+    expected = [hvd.allreduce(g, name=f"midway.{i}") for i, g in enumerate(local_grads)]
+    opt.synchronize()
+    torch.testing.assert_close(second.weight.grad, expected[0])
+    torch.testing.assert_close(second.bias.grad, expected[1])
+    assert torch.equal(first.weight.grad, torch.zeros_like(first.weight))
+    with opt.skip_synchronize():
+        opt.step()
+    opt.zero_grad()                   # nothing outstanding any more
+    assert_identical_across_ranks(model)
 
 
 @check
