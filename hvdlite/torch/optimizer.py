@@ -418,7 +418,7 @@ class _DistributedOptimizer(_HookedOptimizer):
             self._handles[p] = self._allreduce_grad_async(p)
 
         for p, (handle, ctx) in list(self._handles.items()):
-            if handle is None:
+            if handle is None or handle is _DEFERRED:   # (_DEFERRED: its submission raised)
                 self._handles[p] = self._allreduce_grad_async(p)
 
         drive_all([handle for handle, _ in self._handles.values()])
