@@ -142,13 +142,7 @@ def _allreduce_batch_async(tensors, names, op, prescale_factor, postscale_factor
     handle = _ops.allreduce(tensors, names=names, op=op, prescale=prescale_factor,
                             postscale=postscale_factor, process_set=process_set,
                             outputs=tensors)
-    global _next_handle
-    with _handle_lock:
-        first = _next_handle + 1
-        _next_handle += len(tensors)
-        for i in range(len(tensors)):
-            _handle_map[first + i] = (handle, operator.itemgetter(i))
-    return list(range(first, first + len(tensors)))
+    return [_register(handle, operator.itemgetter(i)) for i in range(len(tensors))]
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
