@@ -53,7 +53,7 @@ class FusionBuffer:
 
     def release(self, buf: torch.Tensor) -> None:
         with self._lock:
-            free = self._free.setdefault(buf.device.type, [])
+            free = self._free.setdefault("cpu" if buf.is_cpu else str(buf.device), [])
             free.append(buf)
             if len(free) > self.KEEP:
                 free.pop(min(range(len(free)), key=lambda i: free[i].numel()))
@@ -115,7 +115,13 @@ def unpack(buf: torch.Tensor, outputs: list, counts: list[int], scale: float = 1
         return
     if scale != 1.0:
         for d, p in zip(dst, src):
-            torch.mul(p, scale, out=d)
+            if d.device == p.device:
+                torch.mul(p, scale, out=d)
+            else:
+                # A GPU tensor staged through a host buffer: scaled on the host, then one
+                # blocking copy. (A mul_ on the GPU would run on this thread's stream, not the
+                # caller's, and could still be running when the handle completes.)
+                d.copy_(torch.mul(p, scale))
         return
     if hasattr(torch, "_foreach_copy_"):
         torch._foreach_copy_(dst, src)
@@ -146,7 +152,8 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _on(comm, t: torch.Tensor) -> bool:
     # (t.device builds a torch.device object, ~0.5 us: the flags first.)
-    return ("cuda" if t.is_cuda else "cpu" if t.is_cpu else t.device.type) == comm.device
+    return ("cuda" if t.is_cuda else "cpu" if t.is_cpu else t.device.type) == \
+        comm.device.split(":")[0]
 
 
 class _InOrder:
@@ -457,7 +464,8 @@ class Executor:
         row = math.prod(resp.shapes[0][1:]) * itemsize
         send_rows = matrix[me]
         recv_rows = [matrix[j][me] for j in range(comm.size)]
-        out = torch.empty((sum(recv_rows),) + tuple(src.shape[1:]), dtype=dtype)
+        out = torch.empty((sum(recv_rows),) + tuple(src.shape[1:]), dtype=dtype,
+                          device=comm.device)
         inp = src.contiguous()
         if not _on(comm, inp):
             inp = inp.to(comm.device)

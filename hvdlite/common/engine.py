@@ -244,7 +244,7 @@ class _PeerGreeting:
 
 class Engine:
     def __init__(self, *, rank: int, size: int, settings, channel: Channel,
-                 comm_factory: Callable[[int, list], Any], set_ranks: dict[int, list],
+                 comm_factory: Callable[..., Any], set_ranks: dict[int, list],
                  timeline=None, peer_listener: socket.socket | None = None,
                  key: bytes = b"", peers: dict | None = None, peer_nonce: bytes = b""):
         self.rank = rank
@@ -1313,7 +1313,7 @@ class Engine:
         comm = self.comms.get((set_id, kind))
         if comm is None:
             comm = self.comms[(set_id, kind)] = self.comm_factory(set_id, self.set_ranks[set_id],
-                                                                   kind)
+                                                                   kind, device)
         return comm
 
     def _execute(self, resp: Response, cached: bool = False) -> None:

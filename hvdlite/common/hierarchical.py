@@ -130,8 +130,8 @@ def wrap_factory(factory: CommFactory, rank: int, hosts: Mapping[Any, str],
                  len(groups), size)
         return factory
 
-    def make(set_id: Any, ranks: list, kind: str = "cpu") -> Any:
-        comm = factory(set_id, ranks, kind)
+    def make(set_id: Any, ranks: list, kind: str = "cpu", device: int = -1) -> Any:
+        comm = factory(set_id, ranks, kind, device)
         if set_id != 0 or kind != "cpu":
             return comm
         return HierarchicalCommunicator(comm, rank, groups,

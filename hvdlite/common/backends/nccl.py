@@ -8,6 +8,7 @@ finished handle means the result is really there, whichever stream the caller us
 from __future__ import annotations
 
 import datetime
+import socket
 
 import torch
 import torch.distributed as dist
@@ -21,25 +22,53 @@ def available() -> bool:
     return torch.cuda.is_available() and dist.is_nccl_available()
 
 
+def gpu_id(device: int) -> str:
+    """A name for this rank's GPU that is the same in every process that uses it: the device
+    UUID (CUDA_VISIBLE_DEVICES renumbers devices per process, so an index would not do)."""
+    index = device if device >= 0 else torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return f"{socket.gethostname()}/{uuid if uuid is not None else index}"
+
+
+def shared_gpus(store, prefix: str, rank: int, size: int, device: int) -> list[list[int]]:
+    """The groups of ranks (set ranks) that use one GPU between them; empty when each rank has
+    its own. NCCL refuses such a communicator ("Duplicate GPU detected") when it first runs a
+    collective, so the ranks compare their GPUs through the store before building one."""
+    store.set(f"{prefix}gpu/{rank}", gpu_id(device))
+    ids = [store.get(f"{prefix}gpu/{r}").decode() for r in range(size)]
+    groups: dict = {}
+    for r, g in enumerate(ids):
+        groups.setdefault(g, []).append(r)
+    return [rs for rs in groups.values() if len(rs) > 1]
+
+
 class _Synced:
     """Wait for NCCL, then block until the current stream (copies included) has caught up."""
 
-    def __init__(self, work, wide: torch.Tensor | None = None, out: torch.Tensor | None = None):
-        self.work, self.wide, self.out = work, wide, out
+    def __init__(self, device: torch.device, work, wide: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None):
+        self.device, self.work, self.wide, self.out = device, work, wide, out
 
     def wait(self) -> None:
-        self.work.wait()
-        if self.wide is not None:
-            self.out.copy_(self.wide)
-        torch.cuda.current_stream().synchronize()
+        # The waiting thread's current device is not necessarily this rank's GPU: name it.
+        with torch.cuda.device(self.device):
+            self.work.wait()
+            if self.wide is not None:
+                self.out.copy_(self.wide)
+            torch.cuda.current_stream(self.device).synchronize()
 
 
 class NCCLCommunicator:
-    device = "cuda"
+    """One process set's NCCL communicator on this rank's GPU. `device` names that GPU
+    ("cuda:N"), so fusion buffers and outputs are made there whichever device is current in the
+    engine's threads."""
 
-    def __init__(self, store, prefix: str, rank: int, size: int, timeout_s: float):
+    def __init__(self, store, prefix: str, rank: int, size: int, timeout_s: float,
+                 device: int = -1):
         self.rank = rank
         self.size = size
+        self._dev = torch.device("cuda", device if device >= 0 else torch.cuda.current_device())
+        self.device = str(self._dev)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = datetime.timedelta(seconds=timeout_s)
         self.pg = dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, size, opts)
@@ -51,8 +80,8 @@ class NCCLCommunicator:
         work = tensor.to(wide) if wide is not None else tensor
         opts = dist.AllreduceOptions()
         opts.reduceOp = self._ops[op]
-        return _Synced(self.pg.allreduce([work], opts), work if wide is not None else None,
-                       tensor)
+        return _Synced(self._dev, self.pg.allreduce([work], opts),
+                       work if wide is not None else None, tensor)
 
     def reducescatter(self, output: torch.Tensor, tensor: torch.Tensor, op: int):
         wide = _WIDEN.get(output.dtype)
@@ -60,21 +89,21 @@ class NCCLCommunicator:
         src = tensor.to(wide) if wide is not None else tensor
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = self._ops[op]
-        return _Synced(self.pg._reduce_scatter_base(out, src, opts),
+        return _Synced(self._dev, self.pg._reduce_scatter_base(out, src, opts),
                        out if wide is not None else None, output)
 
     def allgather(self, output: torch.Tensor, tensor: torch.Tensor):
-        return _Synced(self.pg._allgather_base(output, tensor))
+        return _Synced(self._dev, self.pg._allgather_base(output, tensor))
 
     def broadcast(self, tensor: torch.Tensor, root: int):
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        return _Synced(self.pg.broadcast([tensor], opts))
+        return _Synced(self._dev, self.pg.broadcast([tensor], opts))
 
     def alltoall(self, output: torch.Tensor, tensor: torch.Tensor, out_splits: list[int],
                  in_splits: list[int]):
-        return _Synced(self.pg.alltoall_base(output, tensor, list(out_splits), list(in_splits),
-                                             dist.AllToAllOptions()))
+        return _Synced(self._dev, self.pg.alltoall_base(output, tensor, list(out_splits),
+                                                        list(in_splits), dist.AllToAllOptions()))
 
     def close(self) -> None:
         try:

@@ -4,6 +4,7 @@ Kept here, beside the transports, so `basics` (lifecycle and topology) never nam
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 from ..config import env
@@ -13,7 +14,8 @@ from .base import Communicator
 from .gloo import GlooCommunicator
 from .local import SelfCommunicator
 
-CommFactory = Callable[[int, list, str], Communicator]
+CommFactory = Callable[..., Communicator]
+log = logging.getLogger(__name__)
 
 
 def choose_transport(comm) -> str:
@@ -44,20 +46,33 @@ def mpi_world(transport: str, comm) -> Any:
 
 def comm_factory(transport: str, *, store, prefix: str, world, rank: int,
                  timeout_s: float) -> CommFactory:
-    """A function (set_id, ranks, kind) -> Communicator for this job: a local copy for a one-rank
-    set, NCCL for CUDA buffers when available, else MPI or gloo as chosen."""
+    """A function (set_id, ranks, kind, device) -> Communicator for this job: a local copy for a
+    one-rank set, NCCL for CUDA buffers when available and every rank has its own GPU, else MPI
+    or gloo as chosen (CUDA tensors are then staged through host memory)."""
 
-    def build(set_id: int, ranks: list, kind: str = "cpu") -> Communicator:
+    def build(set_id: int, ranks: list, kind: str = "cpu", device: int = -1) -> Communicator:
         if len(ranks) == 1:
             return SelfCommunicator()
         if kind == "cuda" and nccl_backend.available():
-            return nccl_backend.NCCLCommunicator(store, f"{prefix}nccl/{set_id}/",
-                                                 ranks.index(rank), len(ranks), timeout_s)
+            where = f"{prefix}nccl/{set_id}/"
+            me, n = ranks.index(rank), len(ranks)
+            shared = nccl_backend.shared_gpus(store, where, me, n, device)
+            if not shared:
+                return nccl_backend.NCCLCommunicator(store, where, me, n, timeout_s, device)
+            if me == 0:
+                groups = "; ".join(f"ranks {[ranks[i] for i in g]}" for g in shared)
+                log.warning(
+                    "%s share a GPU: NCCL needs one GPU per rank, so hvdlite moves this process "
+                    "set's CUDA tensors through host memory over %s (slower). To use NCCL, give "
+                    "each rank its own GPU: torch.cuda.set_device(hvd.local_rank()).",
+                    groups, transport)
         if transport == "mpi":
             # (Only one communicator may have an in-order duplicate: backends/mpi.py.)
             return mpi_backend.MPICommunicator.for_ranks(
                 world, ranks, in_order=set_id == 0 and kind == "cpu")
-        return GlooCommunicator(store, f"{prefix}pg/{set_id}/", ranks.index(rank), len(ranks),
-                                timeout_s)
+        # CUDA tensors staged through host memory get their own gloo group: the set's CPU one
+        # may already hold the `pg/{set_id}/` keys in the store.
+        where = f"{prefix}pg/{set_id}/" if kind == "cpu" else f"{prefix}pg-{kind}/{set_id}/"
+        return GlooCommunicator(store, where, ranks.index(rank), len(ranks), timeout_s)
 
     return build
