@@ -10,6 +10,11 @@ Each row: medians, hvdlite / peer ratio, and the spread (min-max of per-round ra
 
 --cpu-fallback runs the same code on CPU tensors over gloo, with smaller models and sizes (1 -
 16 MiB), so the script itself is exercised on machines without a GPU.
+
+Ranks sharing one GPU (more ranks on a host than GPUs): NCCL refuses them ("Duplicate GPU
+detected"), so hvdlite moves their CUDA tensors through host memory, and the peer is DDP and
+torch.distributed on gloo with the same CUDA tensors (sizes up to 256 MiB). With one rank there is
+no bus to measure: the bandwidth part is skipped.
 """
 from __future__ import annotations
 
@@ -111,18 +116,24 @@ def main():
     if cpu:
         device = torch.device("cpu")
         torch.set_num_threads(1)
-        backend = "gloo"
+        backend, shared = "gloo", False
     else:
-        local = hvd.local_rank() % torch.cuda.device_count()
+        gpus = torch.cuda.device_count()
+        local = hvd.local_rank() % gpus
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
-        backend = "nccl"
+        shared = hvd.local_size() > gpus
+        backend = "gloo" if shared else "nccl"
     port = hvd.broadcast_object(free_port() if rank == 0 else None, root_rank=0)
     addr = os.environ.get("HVDLITE_STORE_ADDR", "127.0.0.1")
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank,
                             world_size=size)
     out = {"device": str(device), "ranks": size, "peer": f"torch.distributed {backend}",
+           "gpu": None if cpu else torch.cuda.get_device_name(device),
+           "torch": torch.__version__, "shared_gpu": not cpu and shared,
            "train": {}, "busbw": []}
+    if not cpu:
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
 
     # 1. Training step.
     for name, (base, x, y) in models(cpu, device).items():
@@ -149,10 +160,10 @@ def main():
                               "ratio_min": lo, "ratio_max": hi}
 
     # 2. Allreduce bus bandwidth.
-    bus = 2 * (size - 1) / size if size > 1 else 1.0
-    top = (16 << 20) if cpu else (1 << 30)
+    bus = 2 * (size - 1) / size
+    top = (16 << 20) if cpu else (256 << 20) if shared else (1 << 30)
     nbytes = 1 << 20
-    while nbytes <= top:
+    while size > 1 and nbytes <= top:
         t = torch.ones(nbytes // 4, device=device)
         n = max(3, min(50, (256 << 20) // nbytes))
 
@@ -177,8 +188,9 @@ def main():
         nbytes *= 4
 
     if rank == 0:
-        print(f"== {'CPU fallback (gloo)' if cpu else 'GPU (NCCL)'}: {size} rank(s) on "
-              f"{device}, hvdlite against {out['peer']}, median of {args.rounds} alternating "
+        what = "CPU fallback (gloo)" if cpu else f"GPU ({out['gpu']}, NCCL {out['nccl']})"
+        note = " sharing it (NCCL refuses: hvdlite stages through host memory)" if shared else ""
+        print(f"== {what}: {size} rank(s) on {device}{note}, hvdlite against {out['peer']}, median of {args.rounds} alternating "
               f"rounds (spread = min-max of per-round ratios)")
         print(f"{'model':<12} {'hvdlite ms':>11} {'DDP ms':>9} {'hvdlite/DDP':>12} {'spread':>12}")
         for name, r in out["train"].items():
@@ -186,6 +198,8 @@ def main():
                   f"{r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f}")
         print(f"{'bytes':>11} {'hvdlite GB/s':>13} {'raw GB/s':>9} {'hvdlite/raw':>12} "
               f"{'spread':>12}")
+        if size == 1:
+            print("(one rank: no bus bandwidth to measure)")
         for r in out["busbw"]:
             print(f"{r['bytes']:>11} {r['hvdlite_GBs']:>13.3f} {r['raw_GBs']:>9.3f} "
                   f"{r['ratio']:>12.2f} {r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f}")
@@ -199,7 +213,6 @@ def main():
 def _clone(m: nn.Module) -> nn.Module:
     import copy
     return copy.deepcopy(m)
-
 
 
 if __name__ == "__main__":
