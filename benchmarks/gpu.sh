@@ -15,7 +15,7 @@ PY="${PYTHON:-}"
 if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=$(command -v python3); fi
 fi
-RUN=("$PY" -m hvdlite.runner.launch)
+RUN=("$PY" -m hvdlite.runner)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
 if [ "$GPUS" -gt 0 ]; then

@@ -268,7 +268,7 @@ def launch(name: str, args) -> dict:
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env["OMP_NUM_THREADS"] = str(threads)
     if ranks:
-        cmd = [sys.executable, "-m", "hvdlite.runner.launch", "-np", str(ranks)] + worker
+        cmd = [sys.executable, "-m", "hvdlite.runner", "-np", str(ranks)] + worker
     else:
         cmd = worker
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)

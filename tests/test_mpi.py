@@ -41,6 +41,25 @@ def test_job_started_by_mpiexec_uses_mpi(np):
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("env,channel", [
+    ({"HVDLITE_MPI_WAIT": "yield"}, True),
+    ({"HVDLITE_MPI_WAIT": "spin"}, False),
+    ({"HVDLITE_MPI_WAIT": "yield", "HVDLITE_SHM": "0"}, False)],
+    ids=["yield", "spin", "yield-shm-off"])
+def test_yielding_ranks_move_data_through_shared_memory(env, channel):
+    """Where MPI waits yield the core (ranks outnumber cores; forced here), allreduce,
+    reducescatter, allgather and broadcast data goes through hvdlite's shared-memory channel,
+    which sleeps where MPICH would spin; spinning ranks, and HVDLITE_SHM=0, keep MPI. Results
+    are exact either way (the whole worker: every dtype and op, process sets, join)."""
+    proc = mpiexec("mpi_direct.py", 2, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in range(2):
+        line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(f"OK rank {r} "))
+        ops = int(line.split()[-1])
+        assert (ops > 0) == channel, (env, line)
+
+
+@pytest.mark.timeout(150)
 def test_mpirun_job_with_gloo_transport():
     """HOROVOD_CPU_OPERATIONS=gloo under mpiexec: ranks meet over MPI, data goes over gloo."""
     proc = mpiexec("env_start.py", 2, env={"HOROVOD_CPU_OPERATIONS": "gloo"})

@@ -21,7 +21,11 @@ def hvdlite_run(script: str | os.PathLike, np: int = 2, args: list[str] | None =
     path = Path(script)
     if not path.is_absolute():
         path = WORKERS / path
-    cmd = [HVDLITE_RUN, "-np", str(np), *(launcher_args or []), sys.executable, str(path),
+    # Without the console script (hvdlite on PYTHONPATH, not installed: a GPU box's own Python),
+    # `python -m hvdlite.runner` is the same command.
+    launcher = [HVDLITE_RUN] if os.path.exists(HVDLITE_RUN) else \
+        [sys.executable, "-m", "hvdlite.runner"]
+    cmd = [*launcher, "-np", str(np), *(launcher_args or []), sys.executable, str(path),
            *(args or [])]
     full_env = dict(os.environ)
     full_env.setdefault("HVDLITE_START_TIMEOUT", "60")

@@ -64,7 +64,8 @@ VARIABLES: tuple[Var, ...] = (
        "yields when a host runs more ranks than cores"),
     _v("SHM", "str", "auto", "`auto`, `1` or `0`: ranks of a gloo job that share a host move "
        "allreduce, reducescatter, allgather and broadcast data through shared memory (/dev/shm) "
-       "instead of TCP loopback; auto: on x86-64", _L),
+       "instead of TCP loopback, and so do ranks of an MPI job whose waits yield (more ranks "
+       "than cores); auto: on x86-64", _L),
     _v("SHM_SLOT_MB", "float", 8.0, "per-rank shared-memory slot; larger collectives run in "
        "chunks of this size", _L),
     _v("DISABLE_GROUP_FUSION", "bool", False, "grouped tensors fuse only with their own group"),

@@ -32,8 +32,9 @@ class _Widened:
         self.out.copy_(self.wide)
 
 
-class GlooCommunicator:
-    """Every call launches the collective and returns its pending work (`.wait()`)."""
+class GlooCommunicator(shm.ShmRouted):
+    """Every call launches the collective and returns its pending work (`.wait()`); shared
+    memory carries what it can (shm.ShmRouted), gloo the rest."""
 
     device = "cpu"
 
@@ -63,9 +64,7 @@ class GlooCommunicator:
         self.pg.allreduce([flag], opts).wait()
         return bool(flag.item())
 
-    def allreduce(self, tensor: torch.Tensor, op: int):
-        if self.shm is not None and self.shm.handles(tensor, reduce=True):
-            return self.shm.allreduce(tensor, op)
+    def _allreduce(self, tensor: torch.Tensor, op: int):
         wide = _WIDEN.get(tensor.dtype)
         work = tensor.to(wide) if wide is not None else tensor
         opts = dist.AllreduceOptions()
@@ -73,19 +72,7 @@ class GlooCommunicator:
         pending = self.pg.allreduce([work], opts)
         return _Widened(pending, work, tensor) if wide is not None else pending
 
-    def allreduce_tensors(self, inputs: list, outputs: list, op: int, prescale: float,
-                          postscale: float):
-        """A fused allreduce without the engine's fusion buffer, through shared memory; None
-        when that path cannot take these tensors (the engine then packs and calls allreduce)."""
-        if self.shm is None or not all(self.shm.handles(t, reduce=True) for t in inputs) or \
-                not all(o is None or self.shm.handles(o, reduce=True) for o in outputs):
-            return None
-        return self.shm.allreduce_tensors(inputs, outputs, op, prescale, postscale)
-
-    def reducescatter(self, output: torch.Tensor, tensor: torch.Tensor, op: int):
-        if (self.shm is not None and self.shm.handles(output, reduce=True)
-                and self.shm.handles(tensor, reduce=True)):
-            return self.shm.reducescatter(output, tensor, op)
+    def _reducescatter(self, output: torch.Tensor, tensor: torch.Tensor, op: int):
         wide = _WIDEN.get(output.dtype)
         out = output.to(wide) if wide is not None else output
         if wide is not None:
@@ -97,17 +84,12 @@ class GlooCommunicator:
         pending = self.pg.reduce_scatter([out], [chunks], opts)
         return _Widened(pending, out, output) if wide is not None else pending
 
-    def allgather(self, output: torch.Tensor, tensor: torch.Tensor):
-        if (self.shm is not None and self.shm.handles(output, reduce=False)
-                and self.shm.handles(tensor, reduce=False)):
-            return self.shm.allgather(output, tensor)
+    def _allgather(self, output: torch.Tensor, tensor: torch.Tensor):
         n = tensor.numel()
         outs = [output[i * n:(i + 1) * n] for i in range(self.size)]
         return self.pg.allgather([outs], [tensor])
 
-    def broadcast(self, tensor: torch.Tensor, root: int):
-        if self.shm is not None and self.shm.handles(tensor, reduce=False):
-            return self.shm.broadcast(tensor, root)
+    def _broadcast(self, tensor: torch.Tensor, root: int):
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         return self.pg.broadcast([tensor], opts)
@@ -118,8 +100,7 @@ class GlooCommunicator:
                                      dist.AllToAllOptions())
 
     def close(self) -> None:
-        if self.shm is not None:
-            self.shm.close()
+        self.close_shm()
         try:
             self.pg.shutdown()
         except Exception:

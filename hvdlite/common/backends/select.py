@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+from torch.distributed import PrefixStore
+
 from ..config import env
 from . import mpi as mpi_backend
 from . import nccl as nccl_backend
@@ -69,7 +71,9 @@ def comm_factory(transport: str, *, store, prefix: str, world, rank: int,
         if transport == "mpi":
             # (Only one communicator may have an in-order duplicate: backends/mpi.py.)
             return mpi_backend.MPICommunicator.for_ranks(
-                world, ranks, in_order=set_id == 0 and kind == "cpu")
+                world, ranks, in_order=set_id == 0 and kind == "cpu",
+                store=PrefixStore(f"{prefix}mpi-{kind}/{set_id}/shm/", store),
+                timeout_s=timeout_s)
         # CUDA tensors staged through host memory get their own gloo group: the set's CPU one
         # may already hold the `pg/{set_id}/` keys in the store.
         where = f"{prefix}pg/{set_id}/" if kind == "cpu" else f"{prefix}pg-{kind}/{set_id}/"
