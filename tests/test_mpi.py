@@ -1,5 +1,6 @@
 """The MPI transport (mpi4py over the mpich wheel): a job started by mpiexec directly."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,8 +55,10 @@ def test_yielding_ranks_move_data_through_shared_memory(env, channel):
     proc = mpiexec("mpi_direct.py", 2, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for r in range(2):
-        line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(f"OK rank {r} "))
-        ops = int(line.split()[-1])
+        found = re.search(rf"OK rank {r} shm_collectives (\d+)", proc.stdout)
+        assert found, proc.stdout + proc.stderr
+        ops = int(found.group(1))
+        line = found.group(0)
         assert (ops > 0) == channel, (env, line)
 
 
