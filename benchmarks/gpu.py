@@ -145,19 +145,29 @@ def main():
                                           named_parameters=hv_model.named_parameters())
         ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.01)
 
+        # The floor: the same step with no wrapper and no communication at all. No
+        # data-parallel step can beat it; at one rank it is what both contenders approach.
+        plain_model = _clone(base).to(device)
+        plain_opt = torch.optim.SGD(plain_model.parameters(), lr=0.01)
+
         hv_step = sgd_step(hv_model, hv_opt, x, y)
         ddp_step = sgd_step(ddp_model, ddp_opt, x, y)
+        plain_step = sgd_step(plain_model, plain_opt, x, y)
 
         timed(hv_step, 3, device)
         timed(ddp_step, 3, device)
-        a, b = [], []
+        timed(plain_step, 3, device)
+        a, b, c = [], [], []
         for _ in range(args.rounds):
             a.append(timed(hv_step, args.steps, device))
             b.append(timed(ddp_step, args.steps, device))
+            c.append(timed(plain_step, args.steps, device))
         ratio, lo, hi = spread(a, b)
+        floor, _, _ = spread(c, b)
         out["train"][name] = {"hvdlite_ms": statistics.median(a) * 1e3,
                               "ddp_ms": statistics.median(b) * 1e3, "ratio": ratio,
-                              "ratio_min": lo, "ratio_max": hi}
+                              "ratio_min": lo, "ratio_max": hi,
+                              "no_comm_ms": statistics.median(c) * 1e3, "floor": floor}
 
     # 2. Allreduce bus bandwidth.
     bus = 2 * (size - 1) / size
@@ -192,10 +202,14 @@ def main():
         note = " sharing it (NCCL refuses: hvdlite stages through host memory)" if shared else ""
         print(f"== {what}: {size} rank(s) on {device}{note}, hvdlite against {out['peer']}, median of {args.rounds} alternating "
               f"rounds (spread = min-max of per-round ratios)")
-        print(f"{'model':<12} {'hvdlite ms':>11} {'DDP ms':>9} {'hvdlite/DDP':>12} {'spread':>12}")
+        print(f"{'model':<12} {'hvdlite ms':>11} {'DDP ms':>9} {'hvdlite/DDP':>12} {'spread':>12}"
+              f" {'no-comm ms':>11} {'floor':>6}")
         for name, r in out["train"].items():
             print(f"{name:<12} {r['hvdlite_ms']:>11.2f} {r['ddp_ms']:>9.2f} {r['ratio']:>12.2f} "
-                  f"{r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f}")
+                  f"{r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f} {r['no_comm_ms']:>11.2f} "
+                  f"{r['floor']:>6.2f}")
+        print("(no-comm: the same step without a wrapper or any communication; floor = "
+              "no-comm / DDP, the least hvdlite/DDP can be)")
         print(f"{'bytes':>11} {'hvdlite GB/s':>13} {'raw GB/s':>9} {'hvdlite/raw':>12} "
               f"{'spread':>12}")
         if size == 1:

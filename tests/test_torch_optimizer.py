@@ -93,3 +93,31 @@ def test_train_step_benchmark_runs(tmp_path):
         assert r[key] > 0, r
     # One timing per round and contender (--rounds 1), alternating in one run.
     assert len(r["serial_s"]) == len(r["local_s"]) == 1, r
+
+
+@pytest.mark.timeout(300)
+def test_gpu_benchmark_cpu_fallback_runs(tmp_path):
+    """benchmarks/gpu.sh on a machine without a GPU runs the same benchmark code on CPU tensors
+    over gloo (2 ranks) and says so; the script stays ready for a GPU. Timings are not judged."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from util import ROOT
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: gpu.sh runs the GPU benchmark, not its fallback")
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), str(tmp_path)],
+                          env={**os.environ, "PYTHON": sys.executable}, capture_output=True,
+                          text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no GPU: ran the CPU fallback (exit 0)" in proc.stdout, proc.stdout
+    out = json.loads((tmp_path / "gpu_cpu_fallback.json").read_text())
+    assert out["ranks"] == 2 and out["peer"] == "torch.distributed gloo", out
+    assert set(out["train"]) == {"resnet", "transformer"}, out["train"]
+    for r in out["train"].values():
+        assert r["hvdlite_ms"] > 0 and r["ddp_ms"] > 0 and r["no_comm_ms"] > 0, r
+        assert r["ratio_min"] <= r["ratio"] <= r["ratio_max"], r
+    assert [b["bytes"] for b in out["busbw"]] == [1 << 20, 4 << 20, 16 << 20], out["busbw"]

@@ -70,8 +70,19 @@ with torch.cuda.stream(stream):
     assert torch.equal(rs.cpu(), torch.full((2,), float(s)))
     a = hvd.alltoall(torch.full((s,), float(r), device=dev), name="a2a")
     assert torch.equal(a.cpu(), torch.arange(s, dtype=torch.float32))
+    if shared:
+        # A rank that joined contributes zeros (on the host) to the others' CUDA allreduces.
+        if r == 0:
+            for k in range(3):
+                x = torch.full((64,), float(k), device=dev)
+                y = hvd.allreduce(x, op=hvd.Sum, name="after_join")
+                assert torch.equal(y.cpu(), torch.full((64,), float(k))), y
+        assert hvd.join() == 0
 torch.cuda.synchronize()
 from hvdlite.common import basics  # noqa: E402
 comm = basics._require().engine.comms.get((0, "cuda"))
+if shared:
+    # Fused CUDA allreduces went through pinned host memory in one copy each way.
+    assert basics.engine_counters()["staged_allreduces"] > 0, basics.engine_counters()
 print("OK", type(comm).__name__, flush=True)
 hvd.shutdown()
