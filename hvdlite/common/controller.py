@@ -481,7 +481,8 @@ class Coordinator:
                 else:
                     s.waiting.pop(s.index[rank], None)
         elif kind == Msg.SHUTDOWN:
-            self._on_shutdown(rank, out)
+            rounds = msg[1] if len(msg) > 1 and isinstance(msg[1], dict) else {}
+            self._on_shutdown(rank, out, rounds)
         elif kind == Msg.FAILED:
             self._stop_with(f"rank {rank} failed while running a collective: {msg[1]}", out)
         elif kind == Msg.TIMELINE:
@@ -667,17 +668,20 @@ class Coordinator:
         else:
             self._release_bits(s, ready)
 
-    def _on_shutdown(self, rank: int, out: dict) -> None:
+    def _on_shutdown(self, rank: int, out: dict, rounds: dict | None = None) -> None:
+        """`rounds`: set -> (epoch, steady rounds the rank finished), from its "S" message."""
         self._shut_down_ranks.add(rank)
         for s in self.sets.values():
             if rank not in s.index:
                 continue
             s.gone.add(s.index[rank])
             if s.steady:
-                # Ranks still steady fail what waits on the gone rank themselves.
+                # Ranks still steady fail what waits on the gone rank themselves, once the
+                # rounds it finished are over there too (engine.Engine._steady_gone).
+                epoch, done = (rounds or {}).get(s.id, (None, None))
                 for other in s.ranks:
                     if other != rank:
-                        out.setdefault(other, []).append((Item.GONE, s.id, [rank]))
+                        out.setdefault(other, []).append((Item.GONE, s.id, [rank], epoch, done))
             bits = 0
             for b in s.pending_bits:
                 bits |= b

@@ -292,6 +292,9 @@ class Engine:
         self._peer_nonce = peer_nonce                 # our listener's half of each peer key
         self._seen_client_nonces: set[bytes] = set()  # refuse a connection replayed to us
         self.steady: dict[int, SteadySet] = {}
+        # set -> (epoch, rounds finished) of steady states this rank has left (fallback, a
+        # departed member): its "S" message carries them with the current ones (_steady_gone).
+        self._rounds_left: dict[int, tuple[int, int]] = {}
         self.epochs: dict[int, int] = {}            # set -> last "D" epoch seen
         self._early: dict[tuple[int, int], list] = {}   # (set, epoch) -> K messages before "D"
         self._peer_out: dict[int, Channel] = {}
@@ -434,7 +437,7 @@ class Engine:
             return None
         st = self.steady.get(go[0].request.process_set_id)
         if st is None or (st.agreement is None and len(st.ranks) > 1) or st.round is not None \
-                or st.pending or st.held or st.fallback:
+                or st.pending or st.held or st.fallback or st.gone is not None:
             return None
         return st
 
@@ -800,10 +803,14 @@ class Engine:
         return True
 
     def _finish_shutdown(self) -> None:
+        # The steady rounds this rank finished: a peer still in the last of them will finish it
+        # (this rank's part of it is sent), so it must not fail that round's tensors.
+        rounds = dict(self._rounds_left)
+        rounds.update({sid: (st.epoch, st.round_no) for sid, st in list(self.steady.items())})
         self._close(SHUT_DOWN_MESSAGE)
         self._close_peer_sockets()
         try:
-            self.channel.send((Msg.SHUTDOWN,))
+            self.channel.send((Msg.SHUTDOWN, rounds))
         except OSError:
             pass
         self.channel.close()
@@ -971,7 +978,7 @@ class Engine:
                 elif tag == Item.TAKE_BACK:
                     self._take_back(item[1], item[2], item[3])
                 elif tag == Item.GONE:
-                    self._steady_gone(item[1], item[2])
+                    self._steady_gone(item[1], item[2], *item[3:5])
                 elif tag == Item.RESEND:
                     self._resend(item[1], item[2])
                 elif tag == Item.CYCLE_TIME:
@@ -1063,6 +1070,9 @@ class Engine:
         # inside would launch its collectives before the rest of the round's, out of order.
         if self._releasing or not st.wants_round():
             return
+        if st.gone is not None:                 # a member left: no round can end any more
+            self._steady_fail_gone(st, st.gone)
+            return
         rnd = st.start_round(lambda idx, k, tag, value: self._peer_send(
             st.ranks[idx], (STEADY_MSG, st.set_id, st.epoch, k, tag, value[0], value[1])),
             time.monotonic())
@@ -1128,7 +1138,9 @@ class Engine:
                         return
             finally:
                 self._releasing = False
-        if fallback:
+        if st.gone is not None:
+            self._steady_fail_gone(st, st.gone)
+        elif fallback:
             self._fall_back(st)
         else:
             self._steady_kick(st)
@@ -1137,6 +1149,7 @@ class Engine:
         """Every rank saw the flag in the same round: back to full negotiation for this set."""
         with self._lock:
             self.steady.pop(st.set_id, None)
+        self._rounds_left[st.set_id] = (st.epoch, st.round_no)
         self.counters["steady_fallbacks"] += 1
         for bits in st.deferred:
             self.cache.evict(st.set_id, bits)
@@ -1163,12 +1176,30 @@ class Engine:
         self._steady_add(st, entries)
         self._steady_kick(st)
 
-    def _steady_gone(self, sid: int, gone: list) -> None:
-        """A member shut down while this set was steady: fail what waits, as negotiation does."""
-        with self._lock:
-            st = self.steady.pop(sid, None)
+    def _steady_gone(self, sid: int, gone: list, epoch: int | None = None,
+                     rounds: int | None = None) -> None:
+        """A member shut down while this set was steady: fail what waits, as negotiation does.
+
+        Except the round this rank is in, when the departed rank finished it (`rounds`: how
+        many rounds of `epoch` it finished): its part of the round was sent before it left, so
+        the round ends here too and releases what it offered (a barrier that every rank passed
+        must not fail on the rank that saw it last). Whatever that round leaves fails then
+        (_round_done, _steady_kick)."""
+        st = self.steady.get(sid)
         if st is None:
             return
+        if st.round is not None and rounds is not None and epoch == st.epoch \
+                and st.round_no < rounds:
+            st.gone = list(gone)
+            return
+        self._steady_fail_gone(st, gone)
+
+    def _steady_fail_gone(self, st: SteadySet, gone: list) -> None:
+        with self._lock:
+            if self.steady.get(st.set_id) is st:
+                del self.steady[st.set_id]
+        self._rounds_left[st.set_id] = (st.epoch, st.round_no)
+        sid = st.set_id
         entries = list(st.pending.values()) + st.held
         if not entries:
             return

@@ -70,8 +70,13 @@ The protocol, per process set (every rank of the set runs it; rank 0 is not spec
 5. Stalls and ends. A rank that has waited in a round longer than a report interval sends the
    coordinator ``("W", set, epoch, names, waited_s)`` (and an empty one once released), so the
    stall inspector names the ranks that have not submitted, as before. A rank that shuts down
-   makes the coordinator send ``("G", set, [rank])`` to the others: their steady entries fail
-   with the same "already called hvd.shutdown()" message as in full negotiation.
+   makes the coordinator send ``("G", set, [rank], epoch, rounds)`` to the others: their steady
+   entries fail with the same "already called hvd.shutdown()" message as in full negotiation.
+   The departed rank's "S" said how many rounds of the epoch it finished: a rank still inside
+   the last of those finishes it first (the departed rank's part of it was sent before it
+   left), and only what that round leaves fails. Without this, a rank whose last barrier
+   round was slow to end here (4 ranks on 2 busy cores) failed a barrier that every rank had
+   passed.
 
 Cost per cycle at any rank: O(log N) messages of O(cache bits) bytes and O(bits) local work;
 the coordinator does no per-cycle work at all (benchmarks/control_plane.py measures it).
@@ -273,6 +278,8 @@ class SteadySet:
     width: int = 0
     slots: tuple | None = None                       # "D"'s live bits, when it compacted them
     slot_of: dict | None = None                      # bit -> its position in slots
+    # Members that shut down after finishing the round in flight: what it leaves fails then.
+    gone: list | None = None
 
     def wants_round(self) -> bool:
         return self.round is None and (bool(self.pending) or self.fallback)
