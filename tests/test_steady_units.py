@@ -44,3 +44,83 @@ def test_round_agrees_for_any_size_and_order(n):
         assert results == [want] * n, (n, trial)
         p = 1 << (n.bit_length() - 1)
         assert max(sent) <= int(math.log2(p)) + (1 if p != n else 0)
+
+
+# ------------------------------------------------------------ a member that shut down
+def _engine_with_round(round_no: int):
+    """An engine (only the state the steady-state departure path touches) whose set 0 is in
+    round `round_no` of epoch 3, with one barrier pending on cache bit 5."""
+    import threading
+
+    from hvdlite.common.engine import Engine, Entry, Handle
+    from hvdlite.common.messages import BARRIER, Request
+    from hvdlite.common.steady import SteadySet
+
+    eng = Engine.__new__(Engine)
+    eng._lock = threading.Lock()
+    eng.steady, eng._inflight, eng._rounds_left = {}, {}, {}
+    eng._releasing, eng._closed = False, None
+    eng.counters = {"steady_released": 0, "steady_rounds": 0}
+    st = SteadySet(0, 3, [0, 1, 2, 3], 0)
+    e = Entry(Request(rank=0, name="barrier", type=BARRIER))
+    e.handle = Handle([e])
+    st.pending[5] = e
+    st.round_no = round_no
+    st.round = object()                  # a round in flight
+    st.round_bits = 1 << 5
+    eng.steady[0] = st
+    eng._inflight[(0, "barrier")] = e
+    return eng, st, e.handle
+
+
+def test_a_round_the_departed_rank_finished_ends_before_anything_fails():
+    """Rank 1 finished round 1 of epoch 3 and shut down ("S" said 2 rounds done). This rank
+    is still in round 1: the round ends here too, so the barrier it carries must not fail.
+    Only what the round leaves fails, with the usual message."""
+    eng, st, h = _engine_with_round(1)
+    eng._steady_gone(0, [1], 3, 2)
+    assert not h.done() and eng.steady.get(0) is st and st.gone == [1]
+    assert 0 not in eng._rounds_left
+
+
+def test_a_round_the_departed_rank_did_not_finish_fails_at_once():
+    eng, st, h = _engine_with_round(2)
+    eng._steady_gone(0, [1], 3, 2)               # rank 1 finished rounds 0 and 1 only
+    assert h.done() and "rank(s) [1] already called hvd.shutdown()" in h.error
+    assert 0 not in eng.steady and eng._rounds_left[0] == (3, 2)
+
+
+def test_what_the_finished_round_leaves_fails_when_it_ends():
+    eng, st, h = _engine_with_round(1)
+    eng._steady_gone(0, [1], 3, 2)
+    assert not h.done()
+    eng._round_done(st, (0, False))               # the round ended without the barrier's bit
+    assert h.done() and "rank(s) [1] already called hvd.shutdown()" in h.error
+    assert 0 not in eng.steady and (0, "barrier") not in eng._inflight
+
+
+def test_another_epoch_or_no_count_fails_at_once():
+    for epoch, rounds in ((2, 5), (None, None)):
+        eng, st, h = _engine_with_round(1)
+        eng._steady_gone(0, [1], epoch, rounds)
+        assert h.done() and "already called hvd.shutdown()" in h.error
+
+
+def test_coordinator_passes_the_departed_ranks_round_count_on():
+    """"S" with {set: (epoch, rounds)} becomes "G" items carrying them to every other member."""
+    from hvdlite.common.config import Settings
+    from hvdlite.common.controller import Coordinator, SetState
+    from hvdlite.common.protocol import Item, Msg
+    from hvdlite.common.response_cache import CoordinatorCache
+
+    settings = Settings()
+    coord = Coordinator(3, b"k" * 32, settings)
+    s = SetState(0, [0, 1, 2], CoordinatorCache(settings.cache_capacity))
+    s.steady, s.epoch = True, 3
+    coord.sets[0] = s
+    out: dict = {}
+    coord._handle(1, (Msg.SHUTDOWN, {0: (3, 7)}), out)
+    assert out == {0: [(Item.GONE, 0, [1], 3, 7)], 2: [(Item.GONE, 0, [1], 3, 7)]}
+    out.clear()
+    coord._handle(2, (Msg.SHUTDOWN,), out)          # an older rank's "S": no count
+    assert out[0] == [(Item.GONE, 0, [2], None, None)]
