@@ -168,10 +168,16 @@ def _staged_gpu(comm, inputs: list) -> Optional[str]:
     return None
 
 
+# A communicator's device string ("cpu", "cuda:1") -> its type, worked out once per string.
+_DEVICE_TYPES: dict[str, str] = {}
+
+
 def _on(comm, t: torch.Tensor) -> bool:
     # (t.device builds a torch.device object, ~0.5 us: the flags first.)
-    return ("cuda" if t.is_cuda else "cpu" if t.is_cpu else t.device.type) == \
-        comm.device.split(":")[0]
+    kind = _DEVICE_TYPES.get(comm.device)
+    if kind is None:
+        kind = _DEVICE_TYPES[comm.device] = comm.device.split(":")[0]
+    return ("cuda" if t.is_cuda else "cpu" if t.is_cpu else t.device.type) == kind
 
 
 class _InOrder:
