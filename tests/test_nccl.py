@@ -50,3 +50,11 @@ def test_ranks_sharing_a_gpu_are_served_through_host_memory():
     out = proc.stdout + proc.stderr
     assert "ranks [0, 1] share a GPU" in out and "torch.cuda.set_device(hvd.local_rank())" in out, \
         out
+
+
+@pytest.mark.timeout(240)
+def test_one_rank_job_with_cuda_tensors():
+    """A one-rank job (debugging on one GPU): CUDA tensors go through the one-rank communicator
+    and every collective still returns the reference result on the caller's stream."""
+    proc = hvdlite_run("nccl_worker.py", np=1, timeout=200)
+    assert _ok(proc, 1) == ["SelfCommunicator"]

@@ -172,6 +172,13 @@ def _staged_gpu(comm, inputs: list) -> Optional[str]:
 _DEVICE_TYPES: dict[str, str] = {}
 
 
+def _buffer_kind(comm, tensors: list) -> str:
+    """Where a fused collective's buffer goes: page-locked host memory when a host transport is
+    given GPU tensors (each member's copy to and from it is then a DMA, without the driver's
+    bounce buffer for pageable memory), else the communicator's device."""
+    return "pinned" if _staged_gpu(comm, tensors) is not None else comm.device
+
+
 def _on(comm, t: torch.Tensor) -> bool:
     # (t.device builds a torch.device object, ~0.5 us: the flags first.)
     kind = _DEVICE_TYPES.get(comm.device)
@@ -423,13 +430,14 @@ class Executor:
         seg = [sum(rows[t][r] * row_elems[t] for t in range(len(inputs))) for r in range(size)]
         seg_max = max(seg) if seg else 0
         itemsize = torch.empty((), dtype=dtype).element_size()
-        raw = self.fusion.acquire(seg_max * (size + 1) * itemsize, comm.device)
+        kind = _buffer_kind(comm, inputs)
+        raw = self.fusion.acquire(seg_max * (size + 1) * itemsize, kind)
         try:
             return (yield from self._reducescatter(comm, resp, inputs, op, post, rows, row_elems,
                                                    seg_max, raw[:seg_max * (size + 1) * itemsize]
                                                    .view(dtype)))
         finally:
-            self.fusion.release(raw)
+            self.fusion.release(raw, kind)
 
     def _reducescatter(self, comm, resp, inputs, op, post, rows, row_elems, seg_max, buf):
         size, me = comm.size, comm.rank
@@ -472,12 +480,13 @@ class Executor:
             return outs
         contrib = [sum(dims[t][r] * row_bytes[t] for t in range(len(inputs))) for r in range(size)]
         seg = max(contrib)
-        raw = self.fusion.acquire(seg * (size + 1), comm.device)
+        kind = _buffer_kind(comm, inputs)
+        raw = self.fusion.acquire(seg * (size + 1), kind)
         try:
             yield from self._allgather_fused(comm, resp, inputs, outs, row_bytes, seg,
                                              raw[:seg * (size + 1)])
         finally:
-            self.fusion.release(raw)
+            self.fusion.release(raw, kind)
         return outs
 
     def _allgather_fused(self, comm, resp, inputs, outs, row_bytes, seg, buf):
@@ -512,12 +521,13 @@ class Executor:
             yield comm.broadcast(as_bytes(out), root)
             return
         sizes = [as_bytes(o).numel() for o in outputs]
-        raw = self.fusion.acquire(sum(sizes), comm.device)
+        kind = _buffer_kind(comm, outputs)
+        raw = self.fusion.acquire(sum(sizes), kind)
         try:
             yield from self._broadcast_fused(comm, resp, inputs, outputs, sizes,
                                              raw[:sum(sizes)])
         finally:
-            self.fusion.release(raw)
+            self.fusion.release(raw, kind)
 
     def _broadcast_fused(self, comm, resp, inputs, outputs, sizes, buf):
         root = resp.root_rank
