@@ -375,7 +375,7 @@ def engine() -> Engine:
 def engine_counters() -> dict:
     """This rank's engine counters: messages to the coordinator, steady-state rounds and the
     tensors they released, fallbacks to full negotiation (tests and benchmarks read them),
-    `shm_collectives`: collectives the gloo transport ran through shared memory, and
+    `shm_collectives`: collectives the gloo transport ran through shared memory,
     `in_place_members`: members of fused allreduces that MPI reduced in place, and
     `staged_allreduces`: GPU allreduces moved through page-locked host memory in one copy each
     way (a host transport serving CUDA tensors)."""

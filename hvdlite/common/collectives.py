@@ -168,10 +168,6 @@ def _staged_gpu(comm, inputs: list) -> Optional[str]:
     return None
 
 
-# A communicator's device string ("cpu", "cuda:1") -> its type, worked out once per string.
-_DEVICE_TYPES: dict[str, str] = {}
-
-
 def _buffer_kind(comm, tensors: list) -> str:
     """Where a fused collective's buffer goes: page-locked host memory when a host transport is
     given GPU tensors (each member's copy to and from it is then a DMA, without the driver's
@@ -180,11 +176,10 @@ def _buffer_kind(comm, tensors: list) -> str:
 
 
 def _on(comm, t: torch.Tensor) -> bool:
-    # (t.device builds a torch.device object, ~0.5 us: the flags first.)
-    kind = _DEVICE_TYPES.get(comm.device)
-    if kind is None:
-        kind = _DEVICE_TYPES[comm.device] = comm.device.split(":")[0]
-    return ("cuda" if t.is_cuda else "cpu" if t.is_cpu else t.device.type) == kind
+    # (t.device builds a torch.device object, ~0.5 us: the flags first. comm.device is "cpu"
+    # or "cuda:N": a prefix test, where splitting it on every call cost a list each time.)
+    return comm.device.startswith("cuda" if t.is_cuda else "cpu" if t.is_cpu
+                                  else t.device.type)
 
 
 class _InOrder:
@@ -337,41 +332,35 @@ class Executor:
         ours)."""
         names = resp.names
         self.staged_allreduces += 1
+        # A lone tensor goes straight between its own memory and the host buffer; several are
+        # packed on the GPU first, so each direction is one copy.
+        lone = len(inputs) == 1 and inputs[0].is_cuda
         host_raw = self.fusion.acquire(nbytes, "pinned")
-        if len(inputs) == 1 and inputs[0].is_cuda:
-            # A lone tensor goes straight between its own memory and the host buffer.
-            try:
-                host = host_raw[:nbytes].view(dtype)
-                self._tl(names, "MEMCPY_IN_FUSION_BUFFER")
-                host.copy_(inputs[0].reshape(-1))
-                scale_(host, resp.prescale)
-                self._tl(names, "ALLREDUCE")
-                yield comm.allreduce(host, op)
-                self._tl(names, "MEMCPY_OUT_FUSION_BUFFER")
-                out = outputs[0]
-                if out is not None:
-                    out.copy_(host.view(out.shape), non_blocking=True)
-                    scale_(out, post)
-                    torch.cuda.current_stream(out.device).synchronize()
-            finally:
-                self.fusion.release(host_raw, "pinned")
-            return
-        dev_raw = self.fusion.acquire(nbytes, gpu)
+        dev_raw = None if lone else self.fusion.acquire(nbytes, gpu)
         try:
-            dev = dev_raw[:nbytes].view(dtype)
             host = host_raw[:nbytes].view(dtype)
             self._tl(names, "MEMCPY_IN_FUSION_BUFFER")
-            pack(dev, inputs, counts)
-            scale_(dev, resp.prescale)
-            host.copy_(dev)                     # waits for the stream: the bytes are home
+            if lone:
+                host.copy_(inputs[0].reshape(-1))
+                scale_(host, resp.prescale)
+            else:
+                dev = dev_raw[:nbytes].view(dtype)
+                pack(dev, inputs, counts)
+                scale_(dev, resp.prescale)
+                host.copy_(dev)                 # waits for the stream: the bytes are home
             self._tl(names, "ALLREDUCE")
             yield comm.allreduce(host, op)
             self._tl(names, "MEMCPY_OUT_FUSION_BUFFER")
-            dev.copy_(host, non_blocking=True)
-            unpack(dev, outputs, counts, post)
-            torch.cuda.current_stream(dev.device).synchronize()
+            if not lone:
+                dev.copy_(host, non_blocking=True)
+                unpack(dev, outputs, counts, post)
+            elif outputs[0] is not None:
+                outputs[0].copy_(host.view(outputs[0].shape), non_blocking=True)
+                scale_(outputs[0], post)
+            torch.cuda.current_stream(gpu).synchronize()
         finally:
-            self.fusion.release(dev_raw)
+            if dev_raw is not None:
+                self.fusion.release(dev_raw)
             self.fusion.release(host_raw, "pinned")
 
     def _allreduce_fused(self, comm, resp, inputs, outputs, op, post, counts, buf):

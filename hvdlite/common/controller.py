@@ -668,7 +668,7 @@ class Coordinator:
         else:
             self._release_bits(s, ready)
 
-    def _on_shutdown(self, rank: int, out: dict, rounds: dict | None = None) -> None:
+    def _on_shutdown(self, rank: int, out: dict, rounds: dict) -> None:
         """`rounds`: set -> (epoch, steady rounds the rank finished), from its "S" message."""
         self._shut_down_ranks.add(rank)
         for s in self.sets.values():
@@ -678,7 +678,7 @@ class Coordinator:
             if s.steady:
                 # Ranks still steady fail what waits on the gone rank themselves, once the
                 # rounds it finished are over there too (engine.Engine._steady_gone).
-                epoch, done = (rounds or {}).get(s.id, (None, None))
+                epoch, done = rounds.get(s.id, (None, None))
                 for other in s.ranks:
                     if other != rank:
                         out.setdefault(other, []).append((Item.GONE, s.id, [rank], epoch, done))
