@@ -90,9 +90,9 @@ ROUNDS_CHECKS = ["inline", "express", "waiter", "async", "crossed", "large", "ch
 @pytest.mark.timeout(180)
 def test_steady_rounds_on_mpi():
     """Rounds as one MPI allreduce (steady.TransportRound): caller-driven synchronous calls, a
-    late rank (the round waiter), async steps, a changed shape
-    (workers/steady_transport_rounds.py)."""
-    _all_checks(_mpi("steady_transport_rounds.py", 2), ROUNDS_CHECKS)
+    late rank (the round waiter), async steps, a changed shape, small float32 tensors carried
+    in their rounds (workers/steady_transport_rounds.py)."""
+    _all_checks(_mpi("steady_transport_rounds.py", 2), ROUNDS_CHECKS + ["payload"])
 
 
 @pytest.mark.timeout(180)

@@ -10,6 +10,7 @@ Inputs may live on any device; transports that want CPU buffers get them through
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 from typing import Optional
@@ -229,6 +230,35 @@ class Executor:
         scale_(out, post)
 
     # ------------------------------------------------------------------ allreduce
+    @staticmethod
+    def inline_in(payload: torch.Tensor, req, src: torch.Tensor) -> bool:
+        """Put `src`, prescaled, in a steady round's payload (backends/mpi.Agreement), when the
+        round may carry its allreduce: float32, sum or average, contiguous, small enough.
+        False: it may not, and nothing was written.
+
+        The copies in and out are a memmove between the two tensors' memory: slicing, viewing
+        and copying with torch cost 3.4 us per 4 KiB here, a memmove 0.4 us, where the whole
+        allreduce takes ~10."""
+        n = src.numel()
+        if req.dtype != "float32" or n > payload.numel() or req.reduce_op not in (SUM, AVERAGE) \
+                or not src.is_contiguous():
+            return False
+        ctypes.memmove(payload.data_ptr(), src.data_ptr(), 4 * n)
+        if req.prescale != 1.0:
+            payload[:n].mul_(req.prescale)
+        return True
+
+    @staticmethod
+    def inline_out(payload: torch.Tensor, req, out: torch.Tensor, size: int) -> None:
+        """A round's payload holds the sum of every rank's `inline_in`: finish the allreduce
+        into `out` as allreduce() would (postscale, and 1/size for an average)."""
+        n = out.numel()
+        if out.is_contiguous():
+            ctypes.memmove(out.data_ptr(), payload.data_ptr(), 4 * n)
+        else:
+            out.copy_(payload[:n].view(out.shape))
+        scale_(out, req.postscale / size if req.reduce_op == AVERAGE else req.postscale)
+
     def allreduce(self, comm, resp: Response, inputs: list, outputs: list) -> None:
         dtype = DTYPES[resp.dtype]
         op = SUM if resp.reduce_op == AVERAGE else resp.reduce_op

@@ -324,7 +324,8 @@ class Engine:
                          "steady_entered": 0, "steady_rounds": 0, "steady_released": 0,
                          "steady_groups": 0,
                          "steady_fallbacks": 0, "bounced": 0, "peer_messages": 0,
-                         "transport_rounds": 0, "inline_driven": 0, "express": 0}
+                         "transport_rounds": 0, "inline_driven": 0, "express": 0,
+                         "round_payloads": 0}
         self.thread = threading.Thread(target=self._run, name="hvdlite-background", daemon=True)
         self.finisher = threading.Thread(target=self._finish_loop, name="hvdlite-finisher",
                                          daemon=True)
@@ -560,6 +561,9 @@ class Engine:
         over within `spin_s`, another rank lacks the bit or asks for the fallback, a stall was
         reported) continues on the general path from the same state, so the protocol and its
         messages are the same either way (steady.py). Drive lock held; `e` is pending in `st`.
+        On MPI, a small float32 tensor rides in the round itself (steady.py, point 2): when
+        every rank put it there, the round was the whole allreduce, one MPI call instead of
+        two (a 4 KiB allreduce went from ~17 to ~13 us on 2 ranks here).
 
         `detached`: `e` came from express(), with no handle and in none of the engine's tables;
         it gets both (_attach) only where the general path takes over, and then the handle is
@@ -579,7 +583,16 @@ class Engine:
                 handle = self._attach(e)
             self._steady_kick(st, spin_s)
             return handle
-        rnd = st.start_round(None, time.monotonic())   # a transport or a one-member round
+        # A small float32 tensor rides in the round itself where the agreement carries one
+        # (MPI's: backends/mpi.Agreement); when every rank put it there, the round is the
+        # whole allreduce (_finish_in_round).
+        tag = -1
+        payload_for = getattr(st.agreement, "payload_for", None)
+        if payload_for is not None and not st.fallback:
+            payload = payload_for(st.width)
+            if payload is not None and self.executor.inline_in(payload, e.request, e.tensor):
+                tag = e.sent_bit
+        rnd = st.start_round(None, time.monotonic(), tag)  # a transport or a one-member round
         counters = self.counters
         counters["steady_rounds"] += 1
         if rnd.__class__ is TransportRound:
@@ -609,6 +622,9 @@ class Engine:
         counters["steady_released"] += 1
         counters["steady_groups"] += 1
         counters["express"] += 1
+        if tag >= 0 and rnd.inline_bit() == bit:
+            self._finish_in_round(st, e)
+            return True if detached else None
         resp = build_responses(self.cache, st.set_id, [bit], self.settings.fusion_threshold,
                                not self.settings.disable_group_fusion)[0]
         with self._lock:
@@ -640,6 +656,20 @@ class Engine:
             handle = self._attach(e, seq)
         self._transport.put((seq, gen, work, resp, None))
         return handle
+
+    def _finish_in_round(self, st: SteadySet, e: Entry) -> None:
+        """Every rank's round carried `e`'s tensor (TransportRound.inline_bit): its payload
+        holds the allreduce, so `e` finishes here with no collective launched, on every rank
+        alike. Drive lock held, before the set's next round reuses the payload."""
+        RECORDER.started(e.flight)
+        self.executor.inline_out(st.agreement.payload_for(st.width), e.request, e.output,
+                                 len(st.ranks))
+        e.result = e.output
+        self.counters["round_payloads"] += 1
+        RECORDER.finished(e.flight)
+        if e.handle is not None:
+            self._pop(st.set_id, [e.request.name])
+            e.handle._complete_one()
 
     def _express_done(self, seq: int, resp: Response, e: Entry, detached: bool):
         if not detached:
@@ -1121,10 +1151,20 @@ class Engine:
 
     def _round_done(self, st: SteadySet, result: tuple[int, bool]) -> None:
         common, fallback = result
+        rnd = st.round
         released = st.finish_round(common & st.round_bits)
         if st.reported:
             st.reported = False
             self._send_coordinator((Msg.STEADY_WAIT, st.set_id, st.epoch, [], 0.0))
+        if released and rnd.__class__ is TransportRound:
+            # A round every rank tagged (an express caller's, handed on here) carried its one
+            # tensor's allreduce: finish it from the payload, as every other rank does.
+            inline = rnd.inline_bit()
+            for i, (bit, e) in enumerate(released):
+                if bit == inline:
+                    del released[i]
+                    self._finish_in_round(st, e)
+                    break
         if released:
             self.counters["steady_released"] += len(released)
             threshold = self.settings.fusion_threshold

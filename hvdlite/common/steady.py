@@ -50,6 +50,15 @@ The protocol, per process set (every rank of the set runs it; rank 0 is not spec
    peer on the general path cannot tell the difference; any other outcome (a peer without the
    bit, the fallback flag, a round that outlives the spin window) hands the entry, now with a
    handle, to the general path in the state the round left.
+   On MPI a round can also carry one small allreduce (backends/mpi.Agreement): the round is a
+   float32 sum of a flag per bit, the fallback flag, a tag and the tag's square, and a payload
+   of INLINE_FLOATS elements. A caller whose round offers one float32 tensor (sum or average,
+   at most that size) copies it into the payload and tags the round with its bit. When every
+   rank tagged the same bit (the tags' sums say so exactly), the payload's sum is that
+   tensor's allreduce and every rank finishes it from there, with no data collective: one
+   MPI call instead of two (engine.Engine._finish_in_round, from the express lane or from
+   _round_done when the round ended elsewhere). Otherwise the payload is ignored; the sums
+   are the same on every rank, so all decide alike.
    HVDLITE_STEADY_ROUNDS=peers keeps the messages.
 3. Release. Every rank releases the common bits of the round, in ascending bit order, fused
    exactly as the coordinator fuses (fusion.fuse_responses with the configured threshold), from
@@ -217,9 +226,11 @@ class TransportRound:
     __slots__ = ("request", "result", "owned_by_waiter", "slots")
 
     def __init__(self, agreement, bits: int, fallback: bool, width: int,
-                 slots: tuple | None = None, slot_of: dict | None = None):
+                 slots: tuple | None = None, slot_of: dict | None = None, tag: int = -1):
         self.slots = slots
         if slots is not None:
+            if tag >= 0:
+                tag = slot_of.get(tag, -1)
             # Carry bit slots[i] at position i ("D"'s compaction).
             packed = 0
             for bit in set_bits(bits):
@@ -234,7 +245,10 @@ class TransportRound:
             # cannot happen, since new bits need the coordinator). Be safe: fall back.
             bits &= (1 << width) - 1
             fallback = True
-        self.request = agreement.start(bits, fallback, width)
+        # `tag`: the bit whose tensor the caller put in the agreement's payload (Agreement in
+        # backends/mpi.py); only an agreement that carries one takes it.
+        self.request = agreement.start(bits, fallback, width, tag) if tag >= 0 \
+            else agreement.start(bits, fallback, width)
         self.result: tuple[int, bool] | None = None
         self.owned_by_waiter = False
 
@@ -252,6 +266,14 @@ class TransportRound:
         if self.result is None and not self.owned_by_waiter:
             self.poll()
         return self.result
+
+    def inline_bit(self) -> int:
+        """Once the round is over: the bit whose allreduce every rank's payload now holds (each
+        rank tagged it), or -1. The payload stays valid until the set's next round starts."""
+        pos = getattr(self.request, "inline", -1)
+        if pos < 0 or self.slots is None:
+            return pos
+        return self.slots[pos]
 
 
 @dataclass
@@ -284,7 +306,8 @@ class SteadySet:
     def wants_round(self) -> bool:
         return self.round is None and (bool(self.pending) or self.fallback)
 
-    def start_round(self, send: Callable[[int, Any, tuple], None], now: float) -> Round:
+    def start_round(self, send: Callable[[int, Any, tuple], None], now: float,
+                    tag: int = -1) -> Round:
         bits = 0
         for bit in self.pending:
             bits |= 1 << bit
@@ -293,7 +316,7 @@ class SteadySet:
         k = self.round_no
         if self.agreement is not None:
             rnd = TransportRound(self.agreement, bits, self.fallback, self.width, self.slots,
-                                 self.slot_of)
+                                 self.slot_of, tag)
             self.round = rnd
             return rnd
         rnd = Round(self.me, len(self.ranks), (bits, self.fallback),

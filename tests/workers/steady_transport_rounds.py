@@ -24,7 +24,13 @@ shared memory the collective runs there too, ShmChannel._submit). Checks:
 - changed_shape: a changed shape raises today's mismatch error on both ranks; the job returns
   to the steady state;
 - compacted: after more changed signatures of one name than steady.COMPACT_WIDTH, the rounds
-  carry only the live bits ("D"'s slots), stay on the transport and release the right tensors.
+  carry only the live bits ("D"'s slots), stay on the transport and release the right tensors;
+- payload (MPI): a blocking allreduce of a small float32 tensor rides in its round
+  (backends/mpi.Agreement): sums, averages, pre- and postscaled ones and a tensor that fills the
+  payload exactly finish with no data collective; one element more, float64, int32 and max
+  go the two-call way; an asynchronous call whose caller drives its round carries it too. The
+  waiter and compacted checks also count rounds that carried the tensor (a round finished by
+  the waiter thread, and one whose bits are slots).
 """
 from __future__ import annotations
 
@@ -44,6 +50,8 @@ hvd.broadcast(torch.zeros(1), 0, name="setup")      # the set's communicator exi
 comm = basics._state.engine.comms[(0, "cpu")]
 assert size == 2 and comm.agreement is not None, \
     "steady_transport_rounds.py needs 2 ranks on MPI or on gloo's shared memory"
+# Only MPI's rounds carry a payload (the shared-memory agreement carries bits only).
+payloads = hasattr(comm.agreement, "payload_for")
 
 
 def counters():
@@ -131,6 +139,10 @@ def waiter():
             fail(f"rank 0 waited {took:.3f} s for a peer 0.2 s late")
     if counters()["steady_fallbacks"] != before["steady_fallbacks"]:
         fail(f"a late rank made the set fall back: {before} -> {counters()}")
+    # Both ranks tagged their rounds with r.sum: rank 0's ended on the waiter thread, which
+    # finished it from the payload too (engine.Engine._round_done).
+    if payloads and counters()["round_payloads"] - before["round_payloads"] != 3:
+        fail(f"late rounds did not carry the tensor: {before} -> {counters()}")
 
 
 def async_step():
@@ -218,6 +230,8 @@ def compacted():
     if st is None or st.slots is None or st.width > 16:
         fail(f"rounds not compacted after {COMPACT_WIDTH + 50} changed signatures: width "
              f"{st and st.width}, slots {st and st.slots}")
+    if payloads and d["round_payloads"] < 8:
+        fail(f"compacted rounds (bits at slot positions) did not carry the tensors: {d}")
     if d["coordinator_messages"] or d["steady_released"] != 24 \
             or d["transport_rounds"] != d["steady_rounds"]:
         fail(f"compacted steady steps: expected 24 tensors released by rounds on the "
@@ -229,6 +243,64 @@ def compacted():
                                      for r in range(size)), f"after compaction {i}")
 
 
+def payload():
+    from hvdlite.common.backends.mpi import INLINE_FLOATS
+    steps = range(100, 110)
+    # (name, shape, dtype, keyword arguments, carried in the round)
+    cases = [("p.sum", (33,), torch.float32, {"op": hvd.Sum}, True),
+             ("p.avg", (4, 4), torch.float32, {}, True),
+             ("p.scaled", (3, 5), torch.float32,
+              {"op": hvd.Sum, "prescale_factor": 0.5, "postscale_factor": 3.0}, True),
+             ("p.full", (INLINE_FLOATS,), torch.float32, {"op": hvd.Sum}, True),
+             ("p.over", (INLINE_FLOATS + 1,), torch.float32, {"op": hvd.Sum}, False),
+             ("p.f64", (8,), torch.float64, {"op": hvd.Sum}, False),
+             ("p.i32", (8,), torch.int32, {"op": hvd.Sum}, False),
+             ("p.max", (8,), torch.float32, {"op": hvd.Max}, False)]
+
+    def want(name, shape, dtype, kw, k):
+        xs = [gen(r, shape, dtype, salt=(name, k)) for r in range(size)]
+        if kw.get("op") == hvd.Max:
+            return torch.stack(xs).max(0).values
+        total = sum(x * kw.get("prescale_factor", 1.0) for x in xs)
+        if "op" not in kw:
+            return total / size
+        return (total * kw.get("postscale_factor", 1.0)).to(dtype)
+
+    for name, shape, dtype, kw, carried in cases:
+        inputs = {k: gen(rank, shape, dtype, salt=(name, k)) for k in steps}
+        got = {}
+
+        def step(k: int) -> None:
+            got[k] = hvd.allreduce(inputs[k], name=name, **kw)
+
+        with long_spin():
+            d = steady_delta(step, steps[:3], steps[3:])
+        for k in steps:
+            same(got[k], want(name, shape, dtype, kw, k), f"payload {name} {k}")
+        n = len(steps) - 3
+        if d["steady_released"] != n or d["coordinator_messages"]:
+            fail(f"{name}: left the steady state: {d}")
+        if carried and not (d["round_payloads"] == n and d["express"] >= n - 2):
+            fail(f"{name}: expected its {n} allreduces carried by their rounds: {d}")
+        if not carried and d["round_payloads"]:
+            fail(f"{name}: a round carried a tensor it may not: {d}")
+    # An asynchronous call that is all its rank has in flight: its caller drives the round
+    # (engine.Engine._drive_inline) and the tensor rides in it; the handle completes from it.
+    got = {}
+
+    def async_step(k: int) -> None:
+        x = gen(rank, (6,), torch.float32, salt=("pa", k))
+        got[k] = hvd.synchronize(hvd.allreduce_async(x, name="p.async", op=hvd.Sum))
+
+    with long_spin():
+        d = steady_delta(async_step, steps[:3], steps[3:])
+    for k in steps:
+        same(got[k], sum(gen(r, (6,), torch.float32, salt=("pa", k)) for r in range(size)),
+             f"payload async {k}")
+    if d["round_payloads"] < 1:
+        fail(f"no asynchronous call's round carried its tensor: {d}")
+
+
 check("inline", inline)
 check("express", express)
 check("waiter", waiter)
@@ -237,6 +309,8 @@ check("crossed", crossed)
 check("large", large)
 check("changed_shape", changed_shape)
 check("compacted", compacted)
+if payloads:
+    check("payload", payload)
 print("COUNTERS", counters(), flush=True)
 finish()
 hvd.shutdown()
