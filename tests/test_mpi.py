@@ -131,3 +131,15 @@ def test_cold_cache_benchmark_runs(tmp_path):
     assert r["transport"] == "mpi" and r["ranks"] == 2, r
     assert set(r["median_us"]) == {"hvdlite_warm", "hvdlite_cold", "raw_warm", "raw_cold"}, r
     assert all(v > 0 for v in r["median_us"].values()), r
+
+
+@pytest.mark.timeout(60)
+def test_agreement_round_encoding():
+    """backends/mpi.Agreement on MPI's COMM_SELF: bits, the fallback flag, the payload's tag,
+    its width limit and the error for overlapping rounds (workers/mpi_agreement_units.py)."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, str(WORKERS / "mpi_agreement_units.py")],
+                          capture_output=True, text=True, timeout=50, env=e)
+    assert proc.returncode == 0 and "AGREEMENT UNITS OK" in proc.stdout, \
+        proc.stdout + proc.stderr
