@@ -31,6 +31,10 @@ assert torch.equal(ag.payload_for(10)[:3], torch.tensor([1.5, -2.0, 4.0]))
 req = done(ag.start((1 << 0) | (1 << 9), False, 10, tag=0))
 assert req.value() == ((1 << 0) | (1 << 9), False) and req.inline == -1, req.value()
 
+# A round that asks for the fallback carries no payload, even when tagged.
+req = done(ag.start(1 << 4, True, 10, tag=4))
+assert req.value() == (1 << 4, True) and req.inline == -1, (req.value(), req.inline)
+
 # The fallback flag, and a round with no bit.
 req = done(ag.start(1 << 2, True, 10))
 assert req.value() == (1 << 2, True) and req.inline == -1

@@ -173,6 +173,8 @@ class Agreement:
             self._round = self.comm.Allreduce_init(MPI.IN_PLACE, self._buf, MPI.SUM)
 
     def _free_round(self) -> None:
+        # A round still in flight was abandoned (a member left): its request stays, and
+        # `_busy` with it, so the next start() says the rounds no longer pair up.
         if self._round is not None and not self._busy:
             try:
                 self._round.Free()
@@ -204,7 +206,7 @@ class Agreement:
         head = self.head
         if fallback:
             f[head - 3] = 1.0
-        if tag >= 0 and self.inline_ok and bits == 1 << tag:
+        if tag >= 0 and self.inline_ok and bits == 1 << tag and not fallback:
             f[head - 2] = tag + 1.0
             f[head - 1] = (tag + 1.0) ** 2
         else:
@@ -248,9 +250,10 @@ class AgreementRequest:
         f, head, n, tag = ag._f, ag.head, ag.size, self.tag
         if tag >= 0:
             t = tag + 1
-            if f[head - 2] == n * t and f[head - 1] == n * t * t:
-                # Every rank tagged this bit, its only one, and asked no fallback (a rank that
-                # asks for it never tags: engine.Engine._express).
+            if f[head - 2] == n * t and f[head - 1] == n * t * t and f[head - 3] == 0:
+                # Every rank tagged this bit, its only one, and none asked for the fallback (a
+                # rank that asks for it never tags). The test depends only on the sums and the
+                # tag every rank shares, so every rank takes this branch, or none does.
                 self.inline = tag
                 return 1 << tag, False
         common = np.packbits(ag._buf[:ag.width] == n, bitorder="little").tobytes()
