@@ -84,7 +84,7 @@ def test_steady_state_mpi(mpi_run):
 
 
 ROUNDS_CHECKS = ["inline", "express", "waiter", "async", "crossed", "large", "changed_shape",
-                 "compacted"]
+                 "compacted", "reuse"]
 
 
 @pytest.mark.timeout(180)

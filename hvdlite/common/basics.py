@@ -47,6 +47,9 @@ class _State:
         self.dynamic = False
         self.add_counter = 0
         self.transport = "gloo"
+        # (set, name) -> the last request of a blocking allreduce under that name, reused while
+        # the call's signature is unchanged (ops._allreduce_now).
+        self.requests: dict = {}
 
 
 _state: _State | None = None

@@ -662,8 +662,7 @@ class Engine:
         holds the allreduce, so `e` finishes here with no collective launched, on every rank
         alike. Drive lock held, before the set's next round reuses the payload."""
         RECORDER.started(e.flight)
-        self.executor.inline_out(st.agreement.payload_for(st.width), e.request, e.output,
-                                 len(st.ranks))
+        self.executor.inline_out(st.agreement.payload, e.request, e.output, len(st.ranks))
         e.result = e.output
         self.counters["round_payloads"] += 1
         RECORDER.finished(e.flight)
@@ -1156,6 +1155,7 @@ class Engine:
         if st.reported:
             st.reported = False
             self._send_coordinator((Msg.STEADY_WAIT, st.set_id, st.epoch, [], 0.0))
+        self.counters["steady_released"] += len(released)
         if released and rnd.__class__ is TransportRound:
             # A round every rank tagged (an express caller's, handed on here) carried its one
             # tensor's allreduce: finish it from the payload, as every other rank does.
@@ -1163,10 +1163,10 @@ class Engine:
             for i, (bit, e) in enumerate(released):
                 if bit == inline:
                     del released[i]
+                    self.counters["steady_groups"] += 1
                     self._finish_in_round(st, e)
                     break
         if released:
-            self.counters["steady_released"] += len(released)
             threshold = self.settings.fusion_threshold
             self._releasing = True
             try:

@@ -273,12 +273,29 @@ def allreduce_now(buffer: Buffer, output: Buffer, *, name: Optional[str] = None,
     return _allreduce_now(buffer, output, name, op, prescale, postscale, process_set, sid)
 
 
+# How many blocking allreduce requests ops._allreduce_now keeps for reuse (names that change
+# every call would otherwise pile up).
+_REQUESTS_KEPT = 1024
+
+
 def _allreduce_now(buffer: Buffer, output: Buffer, name: Optional[str], op: int,
                    prescale: float, postscale: float, process_set, sid: int) -> Buffer:
     if isinstance(name, str) and op in REDUCE_OPS:
         state = _state()
-        req = _request(state.rank, name, ALLREDUCE, buffer, sid, True,
-                       reduce_op=op, prescale=float(prescale), postscale=float(postscale))
+        # The same name with the same signature as last time (the steady state's case) reuses
+        # its request, which nothing changes once made: building one costs ~1 us, a tenth of
+        # a small MPI allreduce on the express lane. Anything that differs builds a new one.
+        key = (sid, name)
+        req = state.requests.get(key)
+        if req is None or req.reduce_op != op or req.prescale != prescale \
+                or req.postscale != postscale or buffer.is_cuda or req.device >= 0 \
+                or req.shape != buffer.shape \
+                or req.dtype != DTYPE_NAMES.get(buffer.dtype):
+            req = _request(state.rank, name, ALLREDUCE, buffer, sid, True,
+                           reduce_op=op, prescale=float(prescale), postscale=float(postscale))
+            if len(state.requests) >= _REQUESTS_KEPT:
+                state.requests.clear()
+            state.requests[key] = req
         engine = state.engine
         done = engine.express(Entry(req, _contiguous(buffer), output))
         if done is True:

@@ -150,7 +150,9 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
     """In-place allreduce; returns `tensor`."""
     op = handle_average_backwards_compatibility(op, average)
     _check_inplace(tensor)
-    t = tensor.detach()                # one object as input and output: reduced in place
+    # One object as input and output: reduced in place. Detached only where autograd records
+    # it (detach() costs ~0.3 us, a noticeable part of a small blocking allreduce).
+    t = tensor.detach() if tensor.requires_grad else tensor
     _ops.allreduce_now(t, t, name=name, op=op, prescale=prescale_factor,
                        postscale=postscale_factor, process_set=process_set)
     return tensor

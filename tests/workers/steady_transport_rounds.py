@@ -25,6 +25,8 @@ shared memory the collective runs there too, ShmChannel._submit). Checks:
   to the steady state;
 - compacted: after more changed signatures of one name than steady.COMPACT_WIDTH, the rounds
   carry only the live bits ("D"'s slots), stay on the transport and release the right tensors;
+- reuse: one name whose blocking allreduce changes op, scale factors, shape or dtype from
+  call to call reduces as asked every time;
 - payload (MPI): a blocking allreduce of a small float32 tensor rides in its round
   (backends/mpi.Agreement): sums, averages, pre- and postscaled ones and a tensor that fills the
   payload exactly finish with no data collective; one element more, float64, int32 and max
@@ -301,6 +303,39 @@ def payload():
         fail(f"no asynchronous call's round carried its tensor: {d}")
 
 
+def reuse():
+    """One name, its blocking allreduce's signature changed (op, scale factors, shape, dtype)
+    right after the set became steady on the plain call: the request kept for the name
+    (ops._allreduce_now) is never reused for a different signature, so every call reduces as
+    asked (a stale request would match the plain call's cache bit and be released as it)."""
+    plain = ({"op": hvd.Sum}, (6,), torch.float32)
+    variants = [({}, (6,), torch.float32),
+                ({"op": hvd.Sum, "prescale_factor": 2.0}, (6,), torch.float32),
+                ({"op": hvd.Sum, "postscale_factor": 0.5}, (6,), torch.float32),
+                ({"op": hvd.Sum}, (2, 3), torch.float32),
+                ({"op": hvd.Sum}, (6,), torch.float64),
+                ({"op": hvd.Max}, (6,), torch.float32)]
+
+    def call(kw, shape, dtype, salt):
+        xs = [gen(r, shape, dtype, salt=salt) for r in range(size)]
+        if kw.get("op") == hvd.Max:
+            want = torch.stack(xs).max(0).values
+        elif "op" not in kw:
+            want = sum(xs) / size
+        else:
+            want = sum(x * kw.get("prescale_factor", 1.0) for x in xs) \
+                * kw.get("postscale_factor", 1.0)
+        same(hvd.allreduce(xs[rank], name="r.reuse", **kw), want, f"reuse {salt}")
+
+    for i, variant in enumerate(variants):
+        for k in range(6):
+            call(*plain, salt=("rp", i, k))
+        steady = basics._state.engine.steady.get(0) is not None
+        call(*variant, salt=("rv", i))
+        if not steady:
+            fail(f"reuse {i}: the set was not steady before the changed call: {counters()}")
+
+
 check("inline", inline)
 check("express", express)
 check("waiter", waiter)
@@ -309,6 +344,7 @@ check("crossed", crossed)
 check("large", large)
 check("changed_shape", changed_shape)
 check("compacted", compacted)
+check("reuse", reuse)
 if payloads:
     check("payload", payload)
 print("COUNTERS", counters(), flush=True)
