@@ -1,7 +1,7 @@
 """backends/mpi.Agreement on one process (MPI's COMM_SELF): how a round encodes and decodes its
 bits, its fallback flag and its payload's tag, the width limit of the payload, and the error
-for a round started before the last one ended. Run as a plain process (MPI's singleton
-start), so the test process itself never initializes MPI."""
+for a round started before the last one ended; with persistent requests and without. Run as
+a plain process (MPI's singleton start), so the test process itself never initializes MPI."""
 from __future__ import annotations
 
 import torch
@@ -17,53 +17,62 @@ def done(req):
     raise AssertionError("a round on COMM_SELF did not complete")
 
 
-ag = Agreement(MPI.COMM_SELF)
+def check(persistent: bool) -> None:
+    ag = Agreement(MPI.COMM_SELF)
+    if not persistent:              # an MPI before version 4: a new Iallreduce per round
+        ag._persistent = False
 
-# One bit, tagged: the payload is the allreduce (of one rank: the tensor itself).
-payload = ag.payload_for(10)
-assert payload is not None and payload.numel() == INLINE_FLOATS and payload.dtype == torch.float32
-payload[:3] = torch.tensor([1.5, -2.0, 4.0])
-req = done(ag.start(1 << 3, False, 10, tag=3))
-assert req.value() == (1 << 3, False) and req.inline == 3, (req.value(), req.inline)
-assert torch.equal(ag.payload_for(10)[:3], torch.tensor([1.5, -2.0, 4.0]))
+    # One bit, tagged: the payload is the allreduce (of one rank: the tensor itself).
+    payload = ag.payload_for(10)
+    assert payload is not None and payload.numel() == INLINE_FLOATS
+    assert payload.dtype == torch.float32
+    assert (ag._round is not None) == persistent
+    payload[:3] = torch.tensor([1.5, -2.0, 4.0])
+    req = done(ag.start(1 << 3, False, 10, tag=3))
+    assert req.value() == (1 << 3, False) and req.inline == 3, (req.value(), req.inline)
+    assert torch.equal(ag.payload_for(10)[:3], torch.tensor([1.5, -2.0, 4.0]))
 
-# Two bits: decoded from the flags, no tag (a tag needs the round's only bit).
-req = done(ag.start((1 << 0) | (1 << 9), False, 10, tag=0))
-assert req.value() == ((1 << 0) | (1 << 9), False) and req.inline == -1, req.value()
+    # Two bits: decoded from the flags, no tag (a tag needs the round's only bit).
+    req = done(ag.start((1 << 0) | (1 << 9), False, 10, tag=0))
+    assert req.value() == ((1 << 0) | (1 << 9), False) and req.inline == -1, req.value()
 
-# A round that asks for the fallback carries no payload, even when tagged.
-req = done(ag.start(1 << 4, True, 10, tag=4))
-assert req.value() == (1 << 4, True) and req.inline == -1, (req.value(), req.inline)
+    # A round that asks for the fallback carries no payload, even when tagged.
+    req = done(ag.start(1 << 4, True, 10, tag=4))
+    assert req.value() == (1 << 4, True) and req.inline == -1, (req.value(), req.inline)
 
-# The fallback flag, and a round with no bit.
-req = done(ag.start(1 << 2, True, 10))
-assert req.value() == (1 << 2, True) and req.inline == -1
-req = done(ag.start(0, False, 10))
-assert req.value() == (0, False)
+    # The fallback flag, and a round with no bit.
+    req = done(ag.start(1 << 2, True, 10))
+    assert req.value() == (1 << 2, True) and req.inline == -1
+    req = done(ag.start(0, False, 10))
+    assert req.value() == (0, False)
 
-# Wider rounds re-lay the buffer: 200 bits (numpy's unpacking path).
-bits = sum(1 << b for b in range(0, 200, 7))
-req = done(ag.start(bits, False, 200))
-assert req.value() == (bits, False)
+    # Wider rounds re-lay the buffer: 200 bits (numpy's unpacking path).
+    bits = sum(1 << b for b in range(0, 200, 7))
+    req = done(ag.start(bits, False, 200))
+    assert req.value() == (bits, False)
 
-# The tags' sums are exact in float32 only while size * (width + 1) ** 2 < 2 ** 24.
-assert ag.payload_for(4000) is not None
-assert ag.payload_for(4096) is None
-req = done(ag.start(1 << 5, False, 4096, tag=5))      # too wide to tag: plain round
-assert req.value() == (1 << 5, False) and req.inline == -1
+    # The tags' sums are exact in float32 only while size * (width + 1) ** 2 < 2 ** 24.
+    assert ag.payload_for(4000) is not None
+    assert ag.payload_for(4096) is None
+    req = done(ag.start(1 << 5, False, 4096, tag=5))      # too wide to tag: plain round
+    assert req.value() == (1 << 5, False) and req.inline == -1
 
-# A persistent round cannot start again before the last one was seen to end.
-if ag._round is not None:
-    ag.payload_for(10)
-    first = ag.start(1, False, 10)
-    try:
-        ag.start(1, False, 10)
-    except RuntimeError as exc:
-        assert "previous one had not finished" in str(exc), exc
-    else:
-        raise AssertionError("a second round started while the first was in flight")
-    done(first)
-    done(ag.start(1, False, 10))
-    print("persistent rounds: yes")
-ag.close()
+    # A persistent round cannot start again before the last one was seen to end.
+    if persistent and ag._round is not None:
+        ag.payload_for(10)
+        first = ag.start(1, False, 10)
+        try:
+            ag.start(1, False, 10)
+        except RuntimeError as exc:
+            assert "previous one had not finished" in str(exc), exc
+        else:
+            raise AssertionError("a second round started while the first was in flight")
+        done(first)
+        done(ag.start(1, False, 10))
+        print("persistent rounds: yes")
+    ag.close()
+
+
+check(persistent=True)
+check(persistent=False)
 print("AGREEMENT UNITS OK", flush=True)

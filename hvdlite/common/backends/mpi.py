@@ -170,7 +170,12 @@ class Agreement:
         self.payload = torch.from_numpy(self._buf[self.head:])
         self.inline_ok = self.size * (width + 1) ** 2 < 1 << 24
         if self._persistent:
-            self._round = self.comm.Allreduce_init(MPI.IN_PLACE, self._buf, MPI.SUM)
+            try:
+                self._round = self.comm.Allreduce_init(MPI.IN_PLACE, self._buf, MPI.SUM)
+            except (NotImplementedError, MPI.Exception):
+                # An MPI before version 4 (mpi4py has the call, the library lacks it): every
+                # rank runs the same library, so every rank falls back alike.
+                self._persistent = False
 
     def _free_round(self) -> None:
         # A round still in flight was abandoned (a member left): its request stays, and
