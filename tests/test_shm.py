@@ -166,6 +166,38 @@ def test_agreement_rounds(monkeypatch):
 
 
 @pytest.mark.timeout(60)
+def test_agreement_rounds_carry_a_payload(monkeypatch):
+    """A round both ranks tag with the same bit (its only one, no fallback) carries the tensor:
+    every rank reads the same sum of the payloads. A different tag, a second bit or a fallback
+    flag on either rank leaves the payload unused. Over more rounds than the two parities."""
+    channels = _pair(monkeypatch, 30.0)
+    try:
+        ags = [c.agreement for c in channels]
+        cases = [((3, 3), (1 << 3, 1 << 3), (False, False), 3),       # carried
+                 ((3, 5), (1 << 3, 1 << 5), (False, False), -1),      # other tags
+                 ((3, -1), (1 << 3, 1 << 3), (False, False), -1),     # one rank did not tag
+                 ((3, 3), (1 << 3, 1 << 3 | 1), (False, False), -1),  # a second bit
+                 ((3, 3), (1 << 3, 1 << 3), (False, True), -1),       # a fallback
+                 ((7, 7), (1 << 7, 1 << 7), (False, False), 7)]       # carried again
+        for k, (tags, bits, falls, carried) in enumerate(cases):
+            xs = [torch.arange(20, dtype=torch.float32) * (r + 1) + k for r in range(2)]
+            for r in range(2):
+                ags[r].payload_for(64)[:20].copy_(xs[r])
+            req0 = ags[0].start(bits[0], falls[0], 64, tag=tags[0])
+            req1 = ags[1].start(bits[1], falls[1], 64, tag=tags[1])
+            assert req0.test() and req1.test()
+            v0, v1 = req0.value(), req1.value()
+            assert v0 == v1 == (bits[0] & bits[1], falls[0] or falls[1]), (k, v0, v1)
+            assert req0.inline == req1.inline == carried, (k, req0.inline, req1.inline)
+            if carried >= 0:
+                s0, s1 = req0.payload()[:20].clone(), req1.payload()[:20].clone()
+                assert torch.equal(s0, xs[0] + xs[1]) and torch.equal(s0, s1), k
+    finally:
+        for c in channels:
+            c.close()
+
+
+@pytest.mark.timeout(60)
 def test_a_peer_that_never_arrives_is_named(monkeypatch):
     channels = _pair(monkeypatch, 1.0)
     try:

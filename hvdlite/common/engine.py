@@ -584,8 +584,8 @@ class Engine:
             self._steady_kick(st, spin_s)
             return handle
         # A small float32 tensor rides in the round itself where the agreement carries one
-        # (MPI's: backends/mpi.Agreement); when every rank put it there, the round is the
-        # whole allreduce (_finish_in_round).
+        # (MPI's, backends/mpi.Agreement; shared memory's, shm.ShmAgreement); when every rank
+        # put it there, the round is the whole allreduce (_finish_in_round).
         tag = -1
         payload_for = getattr(st.agreement, "payload_for", None)
         if payload_for is not None and not st.fallback:
@@ -623,7 +623,7 @@ class Engine:
         counters["steady_groups"] += 1
         counters["express"] += 1
         if tag >= 0 and rnd.inline_bit() == bit:
-            self._finish_in_round(st, e)
+            self._finish_in_round(st, e, rnd)
             return True if detached else None
         resp = build_responses(self.cache, st.set_id, [bit], self.settings.fusion_threshold,
                                not self.settings.disable_group_fusion)[0]
@@ -657,12 +657,12 @@ class Engine:
         self._transport.put((seq, gen, work, resp, None))
         return handle
 
-    def _finish_in_round(self, st: SteadySet, e: Entry) -> None:
+    def _finish_in_round(self, st: SteadySet, e: Entry, rnd: TransportRound) -> None:
         """Every rank's round carried `e`'s tensor (TransportRound.inline_bit): its payload
         holds the allreduce, so `e` finishes here with no collective launched, on every rank
         alike. Drive lock held, before the set's next round reuses the payload."""
         RECORDER.started(e.flight)
-        self.executor.inline_out(st.agreement.payload, e.request, e.output, len(st.ranks))
+        self.executor.inline_out(rnd.request.payload(), e.request, e.output, len(st.ranks))
         e.result = e.output
         self.counters["round_payloads"] += 1
         RECORDER.finished(e.flight)
@@ -1164,7 +1164,7 @@ class Engine:
                 if bit == inline:
                     del released[i]
                     self.counters["steady_groups"] += 1
-                    self._finish_in_round(st, e)
+                    self._finish_in_round(st, e, rnd)
                     break
         if released:
             threshold = self.settings.fusion_threshold

@@ -27,8 +27,8 @@ shared memory the collective runs there too, ShmChannel._submit). Checks:
   carry only the live bits ("D"'s slots), stay on the transport and release the right tensors;
 - reuse: one name whose blocking allreduce changes op, scale factors, shape or dtype from
   call to call reduces as asked every time;
-- payload (MPI): a blocking allreduce of a small float32 tensor rides in its round
-  (backends/mpi.Agreement): sums, averages, pre- and postscaled ones and a tensor that fills the
+- payload: a blocking allreduce of a small float32 tensor rides in its round
+  (backends/mpi.Agreement, shm.ShmAgreement): sums, averages, pre- and postscaled ones and a tensor that fills the
   payload exactly finish with no data collective; one element more, float64, int32 and max
   go the two-call way; an asynchronous call whose caller drives its round carries it too. The
   waiter and compacted checks also count rounds that carried the tensor (a round finished by
@@ -52,7 +52,7 @@ hvd.broadcast(torch.zeros(1), 0, name="setup")      # the set's communicator exi
 comm = basics._state.engine.comms[(0, "cpu")]
 assert size == 2 and comm.agreement is not None, \
     "steady_transport_rounds.py needs 2 ranks on MPI or on gloo's shared memory"
-# Only MPI's rounds carry a payload (the shared-memory agreement carries bits only).
+# Both agreements carry a payload (backends/mpi.Agreement, shm.ShmAgreement).
 payloads = hasattr(comm.agreement, "payload_for")
 
 

@@ -264,6 +264,10 @@ class AgreementRequest:
         common = np.packbits(ag._buf[:ag.width] == n, bitorder="little").tobytes()
         return int.from_bytes(common, "little"), f[head - 3] > 0
 
+    def payload(self) -> torch.Tensor:
+        """The carried allreduce (once `inline` >= 0): MPI summed it in place."""
+        return self.agreement.payload
+
 
 # A fused allreduce's members of at least this many bytes are reduced in place, one MPI call
 # each (collectives.Executor._allreduce_in_place), instead of through the fusion buffer: MPI's

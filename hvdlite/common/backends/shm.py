@@ -72,8 +72,13 @@ SHM_DIR = "/dev/shm"
 AGREE_BITS = 4096
 _AGREE_WORDS = 1 + AGREE_BITS // 64            # the fallback word, then the bits
 _WORD = (1 << 64) - 1                           # one agreement word's bits
+# A round's payload: one small float32 allreduce carried by the round (ShmAgreement), as on
+# MPI (backends/mpi.Agreement), in elements.
+INLINE_FLOATS = 1024
+# One round's words: the fallback word, the bits, the tag word, then the payload.
+_PARITY_WORDS = _AGREE_WORDS + 1 + INLINE_FLOATS // 2
 # Per rank: its round counter on a cache line of its own, then two rounds' words.
-_AGREE_STRIDE = (64 + 2 * _AGREE_WORDS * 8 + 63) // 64 * 64
+_AGREE_STRIDE = (64 + 2 * _PARITY_WORDS * 8 + 63) // 64 * 64
 # An allreduce this small is reduced whole by every rank (ShmChannel._allreduce_direct).
 DIRECT_BYTES = 64 << 10
 # A collective this small may run on the thread that submits it (ShmChannel._submit).
@@ -181,14 +186,22 @@ class ShmAgreement:
     ranks), while the ranks share memory and can read each other's bits.
 
     A round is (AND of bits, OR of fallback flags). Rank r's area holds its round counter and
-    two rounds' words (the fallback flag, then the bits as 64-bit words); round k uses the
-    words of parity k % 2. start() writes the words, then raises the counter (x86-64 keeps
+    two rounds' words (the fallback flag, the bits as 64-bit words, a tag word and a payload
+    of INLINE_FLOATS float32 elements); round k uses the words of parity k % 2. start() writes the words, then raises the counter (x86-64 keeps
     stores in order, as the data path assumes); test() is true once every counter reached k,
     and value() combines the words. Every rank starts the rounds of a set in the same order
     (as MPI matches them by call order), so a peer's counter is k or k + 1 while this rank is
     in round k: no rank can start round k + 2, and overwrite round k's words, before every
     rank has started k + 1, after reading round k. One thread at a time starts and tests
     rounds (the engine's contract for TransportRound).
+
+    The payload carries one small allreduce, as MPI's rounds do (backends/mpi.Agreement says
+    why): a caller whose round offers one float32 tensor writes it to its payload and tags the
+    round with that bit (tag word = bit + 1). When every rank's tag names the same bit and no
+    rank asked for the fallback, every rank sums the ranks' payloads in rank order (so the
+    bits agree everywhere) and the round was the whole allreduce. The payloads of round k stay
+    readable until round k + 2 starts, which needs every rank to have started k + 1: the
+    engine finishes a carried tensor before it starts the set's next round.
     """
 
     max_width = AGREE_BITS
@@ -199,34 +212,52 @@ class ShmAgreement:
         # the few words of a round (64 bits or fewer for most models).
         self._mv = memoryview(seg)[offset:offset + size * _AGREE_STRIDE].cast("Q")
         self._ctrs = [r * stride for r in range(size)]
-        self._words = [r * stride + 8 for r in range(size)]    # parity p: + p * _AGREE_WORDS
+        self._words = [r * stride + 8 for r in range(size)]    # parity p: + p * _PARITY_WORDS
         self._rank = rank
         self._round = 0
+        # Each rank's payload, per parity, as float32 tensors over the segment (dropped at close,
+        # so the mapping can close), and the sum a carried round's result is made in.
+        self._payloads = [[torch.frombuffer(
+            seg, dtype=torch.float32, count=INLINE_FLOATS,
+            offset=offset + 8 * (self._words[r] + p * _PARITY_WORDS + _AGREE_WORDS + 1))
+            for p in (0, 1)] for r in range(size)]
+        self._sum = torch.empty(INLINE_FLOATS, dtype=torch.float32)
 
-    def start(self, bits: int, fallback: bool, width: int) -> "ShmAgreementRequest":
+    def payload_for(self, width: int) -> torch.Tensor:
+        """Where the next round's tensor goes (this rank's payload of that round's parity)."""
+        return self._payloads[self._rank][(self._round + 1) & 1]
+
+    def start(self, bits: int, fallback: bool, width: int,
+              tag: int = -1) -> "ShmAgreementRequest":
+        """Start a round offering `bits`; `tag` >= 0: this rank's payload (payload_for) holds
+        the tensor of that bit, the round's only one."""
         if width > AGREE_BITS:
             raise ValueError(f"a round of {width} bits exceeds the agreement's {AGREE_BITS}")
         n = (max(width, 1) + 63) // 64
         k = self._round = self._round + 1
-        mv, base = self._mv, self._words[self._rank] + (k & 1) * _AGREE_WORDS
+        mv, base = self._mv, self._words[self._rank] + (k & 1) * _PARITY_WORDS
         mv[base] = 1 if fallback else 0
         for j in range(n):
             mv[base + 1 + j] = (bits >> (64 * j)) & _WORD
+        if tag < 0 or fallback or bits != 1 << tag:
+            tag = -1
+        mv[base + _AGREE_WORDS] = tag + 1
         mv[self._ctrs[self._rank]] = k         # after the words (see the class docstring)
-        return ShmAgreementRequest(self, k, n)
+        return ShmAgreementRequest(self, k, n, tag)
 
     def close(self) -> None:
-        """Release the view of the segment, so its mapping can close."""
+        """Release the views of the segment, so its mapping can close."""
+        self._payloads = []
         self._mv.release()
 
 
 class ShmAgreementRequest:
     """One round in flight: `test()` polls, `value()` decodes it (see ShmAgreement)."""
 
-    __slots__ = ("agreement", "k", "n")
+    __slots__ = ("agreement", "k", "n", "tag", "inline")
 
-    def __init__(self, agreement: ShmAgreement, k: int, n: int):
-        self.agreement, self.k, self.n = agreement, k, n
+    def __init__(self, agreement: ShmAgreement, k: int, n: int, tag: int = -1):
+        self.agreement, self.k, self.n, self.tag, self.inline = agreement, k, n, tag, -1
 
     def test(self) -> bool:
         mv, k = self.agreement._mv, self.k
@@ -237,7 +268,17 @@ class ShmAgreementRequest:
 
     def value(self) -> tuple[int, bool]:
         ag, n = self.agreement, self.n
-        mv, off = ag._mv, (self.k & 1) * _AGREE_WORDS
+        mv, off = ag._mv, (self.k & 1) * _PARITY_WORDS
+        if self.tag >= 0:
+            t = self.tag + 1
+            for base in ag._words:
+                if mv[base + off + _AGREE_WORDS] != t or mv[base + off] != 0:
+                    break
+            else:
+                # Every rank tagged this bit, its only one, with no fallback: the same test
+                # on every rank, over the same words.
+                self.inline = self.tag
+                return 1 << self.tag, False
         bits, fallback = 0, False
         for j in range(n):
             word = _WORD
@@ -247,6 +288,17 @@ class ShmAgreementRequest:
         for base in ag._words:
             fallback = fallback or mv[base + off] != 0
         return bits, fallback
+
+    def payload(self) -> torch.Tensor:
+        """The carried allreduce (once `inline` >= 0): the ranks' payloads summed in rank order,
+        the same bits on every rank."""
+        ag, p = self.agreement, self.k & 1
+        views = [ag._payloads[r][p] for r in range(len(ag._words))]
+        out = ag._sum
+        torch.add(views[0], views[1], out=out)
+        for v in views[2:]:
+            out.add_(v)
+        return out
 
 
 class ShmChannel:
