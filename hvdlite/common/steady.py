@@ -52,7 +52,8 @@ The protocol, per process set (every rank of the set runs it; rank 0 is not spec
    handle, to the general path in the state the round left.
    On MPI a round can also carry one small allreduce (backends/mpi.Agreement): the round is a
    float32 sum of a flag per bit, the fallback flag, a tag and the tag's square, and a payload
-   of INLINE_FLOATS elements. A caller whose round offers one float32 tensor (sum or average,
+   of INLINE_FLOATS elements (through shared memory, shm.ShmAgreement: a tag word and a
+   payload beside each rank's bits, read by every rank). A caller whose round offers one float32 tensor (sum or average,
    at most that size) copies it into the payload and tags the round with its bit. When every
    rank tagged the same bit (the tags' sums say so exactly), the payload's sum is that
    tensor's allreduce and every rank finishes it from there, with no data collective: one
