@@ -561,9 +561,10 @@ class Engine:
         over within `spin_s`, another rank lacks the bit or asks for the fallback, a stall was
         reported) continues on the general path from the same state, so the protocol and its
         messages are the same either way (steady.py). Drive lock held; `e` is pending in `st`.
-        On MPI, a small float32 tensor rides in the round itself (steady.py, point 2): when
-        every rank put it there, the round was the whole allreduce, one MPI call instead of
-        two (a 4 KiB allreduce went from ~17 to ~13 us on 2 ranks here).
+        On MPI and through shared memory, a small float32 tensor rides in the round itself
+        (steady.py, point 2): when every rank put it there, the round was the whole allreduce,
+        one transport call instead of two (a 4 KiB allreduce went from ~17 to ~13 us on 2 MPI
+        ranks here).
 
         `detached`: `e` came from express(), with no handle and in none of the engine's tables;
         it gets both (_attach) only where the general path takes over, and then the handle is
@@ -587,9 +588,8 @@ class Engine:
         # (MPI's, backends/mpi.Agreement; shared memory's, shm.ShmAgreement); when every rank
         # put it there, the round is the whole allreduce (_finish_in_round).
         tag = -1
-        payload_for = getattr(st.agreement, "payload_for", None)
-        if payload_for is not None and not st.fallback:
-            payload = payload_for(st.width)
+        if st.agreement is not None and not st.fallback:
+            payload = st.agreement.payload_for(st.width)
             if payload is not None and self.executor.inline_in(payload, e.request, e.tensor):
                 tag = e.sent_bit
         rnd = st.start_round(None, time.monotonic(), tag)  # a transport or a one-member round

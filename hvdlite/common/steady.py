@@ -50,16 +50,17 @@ The protocol, per process set (every rank of the set runs it; rank 0 is not spec
    peer on the general path cannot tell the difference; any other outcome (a peer without the
    bit, the fallback flag, a round that outlives the spin window) hands the entry, now with a
    handle, to the general path in the state the round left.
-   On MPI a round can also carry one small allreduce (backends/mpi.Agreement): the round is a
-   float32 sum of a flag per bit, the fallback flag, a tag and the tag's square, and a payload
-   of INLINE_FLOATS elements (through shared memory, shm.ShmAgreement: a tag word and a
-   payload beside each rank's bits, read by every rank). A caller whose round offers one float32 tensor (sum or average,
-   at most that size) copies it into the payload and tags the round with its bit. When every
-   rank tagged the same bit (the tags' sums say so exactly), the payload's sum is that
-   tensor's allreduce and every rank finishes it from there, with no data collective: one
-   MPI call instead of two (engine.Engine._finish_in_round, from the express lane or from
-   _round_done when the round ended elsewhere). Otherwise the payload is ignored; the sums
-   are the same on every rank, so all decide alike.
+   A transport round can also carry one small allreduce. On MPI (backends/mpi.Agreement) the
+   round is a float32 sum of a flag per bit, the fallback flag, a tag and the tag's square,
+   and a payload of INLINE_FLOATS elements; through shared memory (shm.ShmAgreement) each
+   rank's round area holds a tag word and a payload beside its bits, read by every rank. A
+   caller whose round offers one float32 tensor (sum or average, at most that size) copies it
+   into the payload and tags the round with its bit. When every rank tagged the same bit (the
+   tags say so exactly), the payloads' sum is that tensor's allreduce and every rank finishes
+   it from there, with no data collective: one transport call instead of two
+   (engine.Engine._finish_in_round, from the express lane or from _round_done when the round
+   ended elsewhere). Otherwise the payload is ignored; every rank reads the same tags, so all
+   decide alike.
    HVDLITE_STEADY_ROUNDS=peers keeps the messages.
 3. Release. Every rank releases the common bits of the round, in ascending bit order, fused
    exactly as the coordinator fuses (fusion.fuse_responses with the configured threshold), from
@@ -246,10 +247,8 @@ class TransportRound:
             # cannot happen, since new bits need the coordinator). Be safe: fall back.
             bits &= (1 << width) - 1
             fallback = True
-        # `tag`: the bit whose tensor the caller put in the agreement's payload (Agreement in
-        # backends/mpi.py); only an agreement that carries one takes it.
-        self.request = agreement.start(bits, fallback, width, tag) if tag >= 0 \
-            else agreement.start(bits, fallback, width)
+        # `tag`: the bit whose tensor the caller put in the agreement's payload (-1: none).
+        self.request = agreement.start(bits, fallback, width, tag)
         self.result: tuple[int, bool] | None = None
         self.owned_by_waiter = False
 
@@ -271,7 +270,7 @@ class TransportRound:
     def inline_bit(self) -> int:
         """Once the round is over: the bit whose allreduce every rank's payload now holds (each
         rank tagged it), or -1. The payload stays valid until the set's next round starts."""
-        pos = getattr(self.request, "inline", -1)
+        pos = self.request.inline
         if pos < 0 or self.slots is None:
             return pos
         return self.slots[pos]

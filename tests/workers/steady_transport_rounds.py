@@ -25,14 +25,14 @@ shared memory the collective runs there too, ShmChannel._submit). Checks:
   to the steady state;
 - compacted: after more changed signatures of one name than steady.COMPACT_WIDTH, the rounds
   carry only the live bits ("D"'s slots), stay on the transport and release the right tensors;
-- reuse: one name whose blocking allreduce changes op, scale factors, shape or dtype from
-  call to call reduces as asked every time;
+- reuse: one name whose blocking allreduce changes op, scale factors, shape or dtype right
+  after the set became steady reduces as asked every time;
 - payload: a blocking allreduce of a small float32 tensor rides in its round
-  (backends/mpi.Agreement, shm.ShmAgreement): sums, averages, pre- and postscaled ones and a tensor that fills the
-  payload exactly finish with no data collective; one element more, float64, int32 and max
-  go the two-call way; an asynchronous call whose caller drives its round carries it too. The
-  waiter and compacted checks also count rounds that carried the tensor (a round finished by
-  the waiter thread, and one whose bits are slots).
+  (backends/mpi.Agreement, shm.ShmAgreement): sums, averages, pre- and postscaled ones and a
+  tensor that fills the payload exactly finish with no data collective; one element more,
+  float64, int32 and max go the two-call way; an asynchronous call whose caller drives its
+  round carries it too. The waiter and compacted checks also count rounds that carried the
+  tensor (a round finished by the waiter thread, and one whose bits are slots).
 """
 from __future__ import annotations
 

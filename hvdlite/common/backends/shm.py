@@ -187,13 +187,14 @@ class ShmAgreement:
 
     A round is (AND of bits, OR of fallback flags). Rank r's area holds its round counter and
     two rounds' words (the fallback flag, the bits as 64-bit words, a tag word and a payload
-    of INLINE_FLOATS float32 elements); round k uses the words of parity k % 2. start() writes the words, then raises the counter (x86-64 keeps
-    stores in order, as the data path assumes); test() is true once every counter reached k,
-    and value() combines the words. Every rank starts the rounds of a set in the same order
-    (as MPI matches them by call order), so a peer's counter is k or k + 1 while this rank is
-    in round k: no rank can start round k + 2, and overwrite round k's words, before every
-    rank has started k + 1, after reading round k. One thread at a time starts and tests
-    rounds (the engine's contract for TransportRound).
+    of INLINE_FLOATS float32 elements); round k uses the words of parity k % 2. start() writes
+    the words, then raises the counter (x86-64 keeps stores in order, as the data path
+    assumes); test() is true once every counter reached k, and value() combines the words.
+    Every rank starts the rounds of a set in the same order (as MPI matches them by call
+    order), so a peer's counter is k or k + 1 while this rank is in round k: no rank can start
+    round k + 2, and overwrite round k's words, before every rank has started k + 1, after
+    reading round k. One thread at a time starts and tests rounds (the engine's contract for
+    TransportRound).
 
     The payload carries one small allreduce, as MPI's rounds do (backends/mpi.Agreement says
     why): a caller whose round offers one float32 tensor writes it to its payload and tags the
