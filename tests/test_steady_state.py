@@ -83,8 +83,8 @@ def test_steady_state_mpi(mpi_run):
     _all_checks(mpi_run, CHECKS)
 
 
-ROUNDS_CHECKS = ["inline", "express", "waiter", "async", "crossed", "large", "changed_shape",
-                 "compacted", "reuse"]
+ROUNDS_CHECKS = ["inline", "express", "waiter", "async", "crossed", "large", "late_peer",
+                 "busy_engine", "changed_shape", "compacted", "reuse"]
 
 
 @pytest.mark.timeout(180)

@@ -58,6 +58,20 @@ INLINE_POLL_BYTES = 1 << 20
 # How long a blocking caller on the express lane polls its own larger collective before the
 # finisher thread takes it over (Engine._express says why).
 BLOCKING_POLL_S = 0.02
+# How long a caller waits for the drive lock before it leaves its collective to the background
+# thread. That thread takes the lock for a few microseconds on each periodic wake-up (every 50
+# ms in the steady state); a caller that found it taken and gave up at once went through the
+# queue, a thread wake-up and the GIL's switch interval instead: ~5 ms for 2 of 30 16 MiB
+# allreduces on 2 MPI ranks, ~0.3 ms a call on average. Bounded, so a thread holding the lock
+# for a long time (the round waiter, a shutdown) still only delays the caller this much.
+DRIVE_WAIT_S = 0.002
+
+
+def _drive_wait_s() -> float:
+    """How long this thread may wait for the drive lock: DRIVE_WAIT_S on a caller's thread, 0
+    (try once) on hvdlite's own threads ("hvdlite-..."), which may hold the lock themselves:
+    a completion callback that submits another collective runs there."""
+    return 0.0 if threading.current_thread().name.startswith("hvdlite-") else DRIVE_WAIT_S
 
 
 class Handle:
@@ -306,7 +320,7 @@ class Engine:
         # Whoever holds the drive lock runs the engine's state machine: the background thread
         # for what it hears, a caller driving its own collective (enqueue, _drive_inline) or the
         # round waiter finishing a transport round. Taken before self._lock, never while holding
-        # it (callers only try it without blocking).
+        # it (callers wait for it at most DRIVE_WAIT_S).
         self._drive = threading.Lock()
         self._waiter: RoundWaiter | None = None
         # Gradient buckets (buckets.py): steady-state allreduces held back until their bucket
@@ -446,8 +460,8 @@ class Engine:
         """Run `e`'s round (and, when it completes in time, its collective) on this thread.
 
         The background thread may have changed the state since enqueue looked, or may hold the
-        drive lock right now: then `e` goes the usual way, through the queue."""
-        if self._drive.acquire(blocking=False):
+        drive lock longer than DRIVE_WAIT_S: then `e` goes the usual way, through the queue."""
+        if self._drive.acquire(timeout=_drive_wait_s()):
             try:
                 with self._lock:
                     ok = self._closed is None and self._inline_set([e]) is st
@@ -496,7 +510,7 @@ class Engine:
         """
         req = e.request
         key = (req.process_set_id, req.name)
-        if not self._drive.acquire(blocking=False):
+        if not self._drive.acquire(timeout=_drive_wait_s()):
             return None
         try:
             with self._lock:
@@ -577,7 +591,10 @@ class Engine:
         caller after it ended, ~100 us of a 16 MiB allreduce with the caches cold from the
         transfer (0.91 of raw MPI's bandwidth, against 0.95 asked). Past that window the
         finisher takes it over as before, so a slow or dead peer holds the caller (and the
-        drive lock) at most that long here."""
+        drive lock) at most that long here. The round is polled as long for a detached entry,
+        for the same reason: a peer more than `spin_s` late (one still copying the previous
+        transfer's results out, or descheduled a moment) sent the round to the waiter thread
+        and the collective through the general path, 30 of 50 16 MiB allreduces in one run here."""
         handle = None
         if self._releasing:
             if detached:
@@ -598,7 +615,8 @@ class Engine:
         if rnd.__class__ is TransportRound:
             counters["transport_rounds"] += 1
             if rnd.advance() is None:
-                deadline = time.perf_counter() + spin_s
+                deadline = time.perf_counter() + (BLOCKING_POLL_S if detached and spin_s
+                                                  else spin_s)
                 while rnd.advance() is None:
                     if time.perf_counter() >= deadline:
                         if detached:

@@ -21,6 +21,10 @@ shared memory the collective runs there too, ShmChannel._submit). Checks:
 - large: a synchronous 2.4 MB allreduce takes the express lane too; its caller polls the
   transfer to the end (engine.BLOCKING_POLL_S), or, with that window set to 0 (a transfer that
   outlasts it), the finisher thread finishes it;
+- late_peer: a blocking caller whose peer arrives 50 ms late polls its round past the spin
+  window (engine.BLOCKING_POLL_S) and still takes the express lane;
+- busy_engine: a blocking caller that finds the background thread holding the engine for 1 ms
+  waits for it (engine.DRIVE_WAIT_S) and still takes the express lane;
 - changed_shape: a changed shape raises today's mismatch error on both ranks; the job returns
   to the steady state;
 - compacted: after more changed signatures of one name than steady.COMPACT_WIDTH, the rounds
@@ -210,6 +214,60 @@ def large():
         fail(f"large synchronous allreduces did not take the express lane: {d}")
 
 
+def late_peer():
+    """Rank 1 calls 50 ms late, far past the 250 us spin window: rank 0's blocking caller
+    still polls its round (for engine.BLOCKING_POLL_S, 2 s here, not the spin window) and takes
+    the express lane, instead of handing the round to the waiter thread and its result back."""
+    for k in range(4):
+        hvd.allreduce(gen(rank, (700,), torch.float32, salt=("lp", k)), name="r.late",
+                      op=hvd.Sum)
+        hvd.allreduce(torch.zeros(1), name="r.sync")
+    poll_s, engine.BLOCKING_POLL_S = engine.BLOCKING_POLL_S, 2.0
+    try:
+        for k in range(4, 7):
+            x = gen(rank, (700,), torch.float32, salt=("lp", k))
+            want = sum(gen(r, (700,), torch.float32, salt=("lp", k)) for r in range(size))
+            hvd.allreduce(torch.zeros(1), name="r.sync")   # (in step; cached, unlike barrier)
+            if rank == 1:
+                time.sleep(0.05)
+            before = counters()
+            same(hvd.allreduce(x, name="r.late", op=hvd.Sum), want, f"late peer {k}")
+            d = {n: counters()[n] - before[n] for n in ("express", "coordinator_messages")}
+            if rank == 0 and d != {"express": 1, "coordinator_messages": 0}:
+                fail(f"a peer 50 ms late took rank 0 off the express lane ({k}): {d}")
+    finally:
+        engine.BLOCKING_POLL_S = poll_s
+
+
+def busy_engine():
+    """The background thread holds the engine (its drive lock) for 1 ms when a blocking
+    allreduce starts, as on its periodic wake-ups: the caller waits for it
+    (engine.DRIVE_WAIT_S) and still takes the express lane, instead of going through the queue
+    and the background thread."""
+    import threading
+    eng = basics._state.engine
+    for k in range(3):
+        x = gen(rank, (33,), torch.float32, salt=("be", k))
+        want = sum(gen(r, (33,), torch.float32, salt=("be", k)) for r in range(size))
+        hvd.allreduce(torch.zeros(1), name="r.sync")
+        held = threading.Event()
+
+        def hold() -> None:
+            with eng._drive:
+                held.set()
+                time.sleep(0.001)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait()
+        before = counters()["express"]
+        same(hvd.allreduce(x, name="r.busy", op=hvd.Sum), want, f"busy engine {k}")
+        holder.join()
+        if k and counters()["express"] - before != 1:
+            fail(f"an allreduce that found the engine busy for 1 ms left the express lane: "
+                 f"{counters()}")
+
+
 def changed_shape():
     shape_mismatch("r.sum")
     entered = counters()["steady_entered"]
@@ -347,6 +405,9 @@ check("compacted", compacted)
 check("reuse", reuse)
 if payloads:
     check("payload", payload)
+# (After compacted: these names would add cache bits to the set it counts.)
+check("late_peer", late_peer)
+check("busy_engine", busy_engine)
 print("COUNTERS", counters(), flush=True)
 finish()
 hvd.shutdown()
