@@ -409,69 +409,82 @@ class Engine:
                 self._inflight[key] = e
             wake = not direct
             inline = None
+            go = entries
             if not direct and self.steady and self.buckets.enabled:
                 # Decide holding here, in the caller's thread: a gradient held for its bucket
                 # needs nothing from the background thread, and waking it once per gradient
                 # took the core from backpropagation (on a rank with one core, each wake-up cost
                 # the training thread ~100 us: 3 ms of a transformer's step).
                 go = self._hold_back(entries)
-                inline = self._inline_set(go)      # then go == entries: the one in flight
+                inline = self._inline_set(go)      # then go is everything in flight
                 if inline is None:
                     self._queue.extend(go)
                 # Wake only to send: while holding, the background thread looks at the holds'
                 # deadlines at least every BucketPlanner.MIN_HOLD_S on its own (_loop).
                 wake = bool(go) or self._flush
             elif not direct:
-                inline = self._inline_set(entries) if self.steady else None
+                inline = self._inline_set(go) if self.steady else None
                 if inline is None:
                     self._queue.extend(entries)
         if direct:
             self._send_entries(entries, tags)
         elif inline is not None:
-            self._drive_inline(inline, entries[0])
+            self._drive_inline(inline, go)
         elif wake:
             self._wake()
         return handle
 
-    def _inline_set(self, go: list, in_flight: int = 1) -> SteadySet | None:
+    def _inline_set(self, go: list, in_flight: int | None = None) -> SteadySet | None:
         """The steady set whose round this caller may start itself for `go`, or None.
 
         Why: handing a collective to the background thread, and its result back, costs a thread
         wake-up each way (~60 and ~35 us on 2 cores), more than a whole small MPI allreduce.
-        When this caller's one tensor is all this rank has in flight and its set runs rounds on
-        the transport (MPI), the caller starts the round on its own thread (_drive_inline).
+        When this caller's tensors are all this rank has in flight and their set runs rounds on
+        the transport (MPI, shared memory), the caller starts the round on its own thread
+        (_drive_inline): one synchronous call, or a step's gradients submitted together at the
+        end of backpropagation (a whole-pass bucket, torch/optimizer.py), whose hand-off to the
+        background thread and back cost 1-2 % of the CNN's step on 2 gloo ranks here.
         Where waits may spin (every rank has a core) it also polls the round for a short window
         and, if every rank is there, runs the collective too, so nothing crosses a thread.
         A one-member set's round ends at once on any transport: its caller always runs it.
         (Starting a round over the control connections from here gained nothing measurable on
         gloo: the peers' answer still arrives on the background thread.) `in_flight`: how many
-        entries this rank has in flight, `go` included (0 for the express lane's call, which is
-        not enqueued). Called with self._lock held."""
-        if len(go) != 1 or self._queue or self._held or self._in_transport or self._flush \
+        entries this rank has in flight, `go` included (default: len(go); 0 for the express
+        lane's call, which is not enqueued). Called with self._lock held."""
+        if in_flight is None:
+            in_flight = len(go)
+        if not go or self._queue or self._held or self._in_transport or self._flush \
                 or len(self._inflight) != in_flight or self._releasing or self._stopping:
             return None
-        st = self.steady.get(go[0].request.process_set_id)
+        sid = go[0].request.process_set_id
+        if len(go) > 1 and any(e.request.process_set_id != sid for e in go):
+            return None
+        st = self.steady.get(sid)
         if st is None or (st.agreement is None and len(st.ranks) > 1) or st.round is not None \
                 or st.pending or st.held or st.fallback or st.gone is not None:
             return None
         return st
 
-    def _drive_inline(self, st: SteadySet, e: Entry) -> None:
-        """Run `e`'s round (and, when it completes in time, its collective) on this thread.
+    def _drive_inline(self, st: SteadySet, go: list) -> None:
+        """Run the round of `go` (everything this rank has in flight, _inline_set) and, when it
+        completes in time, their collectives on this thread; one entry may take the express
+        lane (_express).
 
         The background thread may have changed the state since enqueue looked, or may hold the
-        drive lock longer than DRIVE_WAIT_S: then `e` goes the usual way, through the queue."""
+        drive lock longer than DRIVE_WAIT_S: then `go` goes the usual way, through the queue."""
         if self._drive.acquire(timeout=_drive_wait_s()):
             try:
                 with self._lock:
-                    ok = self._closed is None and self._inline_set([e]) is st
+                    ok = self._closed is None and self._inline_set(go) is st
                 if ok:
-                    self.counters["inline_driven"] += 1
-                    e.planned = True
-                    self._steady_add(st, [e])
+                    self.counters["inline_driven"] += len(go)
+                    for e in go:
+                        e.planned = True
+                    self._steady_add(st, go)
                     comm = self.comms.get((st.set_id, "cpu"))
                     spin_s = getattr(comm, "inline_poll_s", 0.0)
-                    if e.sent_bit >= 0 and self._express_ok(e, comm):
+                    e = go[0]
+                    if len(go) == 1 and e.sent_bit >= 0 and self._express_ok(e, comm):
                         self._express(st, e, comm, spin_s)
                     else:
                         self._steady_kick(st, spin_s)
@@ -480,7 +493,7 @@ class Engine:
                 self._drive.release()
         with self._lock:
             if self._closed is None:
-                self._queue.append(e)
+                self._queue.extend(go)
         self._wake()
 
     def _express_ok(self, e: Entry, comm) -> bool:
@@ -717,7 +730,7 @@ class Engine:
                 if st is None:
                     self._flush = True
             if st is not None:
-                self._drive_inline(st, held[0][0])
+                self._drive_inline(st, [held[0][0]])
                 return
             self._wake()
 

@@ -25,6 +25,8 @@ shared memory the collective runs there too, ShmChannel._submit). Checks:
   window (engine.BLOCKING_POLL_S) and still takes the express lane;
 - busy_engine: a blocking caller that finds the background thread holding the engine for 1 ms
   waits for it (engine.DRIVE_WAIT_S) and still takes the express lane;
+- batch: a step's tensors submitted in one call (the DistributedOptimizer's deferred gradients)
+  and a grouped allreduce are driven by their caller too;
 - changed_shape: a changed shape raises today's mismatch error on both ranks; the job returns
   to the steady state;
 - compacted: after more changed signatures of one name than steady.COMPACT_WIDTH, the rounds
@@ -268,6 +270,38 @@ def busy_engine():
                  f"{counters()}")
 
 
+def batch():
+    """Several tensors submitted in one call: the DistributedOptimizer's gradients at the end of
+    backpropagation (mpi_ops._allreduce_batch_async, each its own named allreduce) and a
+    grouped allreduce. With nothing else in flight, the caller runs their round and launches
+    their collective itself (engine.Engine._drive_inline), with no control message and no
+    hand-off to the background thread."""
+    from hvdlite.torch.mpi_ops import _allreduce_batch_async
+    shapes = [(50,), (3, 7), (300,)]
+
+    def want(salt, i):
+        return sum(gen(r, shapes[i], torch.float32, salt=(salt, i, k)) for r in range(size))
+
+    def step(k: int) -> None:
+        xs = [gen(rank, s, torch.float32, salt=("bt", i, k)) for i, s in enumerate(shapes)]
+        hs = _allreduce_batch_async(xs, [f"r.bt{i}" for i in range(3)], hvd.Sum, 1.0, 1.0,
+                                    hvd.global_process_set)
+        got = [hvd.synchronize(h) for h in hs]
+        gs = [gen(rank, s, torch.float32, salt=("gr", i, k)) for i, s in enumerate(shapes)]
+        got += hvd.grouped_allreduce(gs, name="r.grp", op=hvd.Sum)
+        for i in range(3):
+            same(got[i], sum(gen(r, shapes[i], torch.float32, salt=("bt", i, k))
+                             for r in range(size)), f"batch {k} {i}")
+            same(got[3 + i], sum(gen(r, shapes[i], torch.float32, salt=("gr", i, k))
+                                 for r in range(size)), f"grouped {k} {i}")
+
+    d = steady_delta(step, range(4), range(4, 10))
+    if d["coordinator_messages"] or d["peer_messages"] or d["steady_released"] != 36:
+        fail(f"batches left the steady state: {d}")
+    if d["inline_driven"] != 36:
+        fail(f"batches not driven by their caller: {d}")
+
+
 def changed_shape():
     shape_mismatch("r.sum")
     entered = counters()["steady_entered"]
@@ -408,6 +442,7 @@ if payloads:
 # (After compacted: these names would add cache bits to the set it counts.)
 check("late_peer", late_peer)
 check("busy_engine", busy_engine)
+check("batch", batch)
 print("COUNTERS", counters(), flush=True)
 finish()
 hvd.shutdown()
