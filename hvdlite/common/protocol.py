@@ -74,3 +74,12 @@ class Item(_Tag):
 
 
 __all__ = ["Msg", "Item"]
+
+
+# The float32 payload a steady-state round carries beside its bits (steady.py, point 2), in
+# elements: 4 KiB. The same on every transport that carries one (backends/mpi.Agreement,
+# backends/shm.ShmAgreement), and a constant of the code, not a setting: every rank's round
+# must be the same size. Measured on 2 MPI ranks here (one non-blocking allreduce, polled): a
+# round of 16 bytes took 1.3-1.5 us, one with this payload 2.2 us, one with 16 KiB 8.6 us
+# (MPICH changes algorithm).
+INLINE_FLOATS = 1024

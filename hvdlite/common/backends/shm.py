@@ -63,6 +63,7 @@ import torch
 from .. import config
 from ..threads import local_ranks, usable_cores
 from ..messages import MAX, MIN, PRODUCT, SUM
+from ..protocol import INLINE_FLOATS    # a round's payload (ShmAgreement)
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +73,6 @@ SHM_DIR = "/dev/shm"
 AGREE_BITS = 4096
 _AGREE_WORDS = 1 + AGREE_BITS // 64            # the fallback word, then the bits
 _WORD = (1 << 64) - 1                           # one agreement word's bits
-# A round's payload: one small float32 allreduce carried by the round (ShmAgreement), as on
-# MPI (backends/mpi.Agreement), in elements.
-INLINE_FLOATS = 1024
 # One round's words: the fallback word, the bits, the tag word, then the payload.
 _PARITY_WORDS = _AGREE_WORDS + 1 + INLINE_FLOATS // 2
 # Per rank: its round counter on a cache line of its own, then two rounds' words.
