@@ -628,8 +628,8 @@ class Engine:
         if rnd.__class__ is TransportRound:
             counters["transport_rounds"] += 1
             if rnd.advance() is None:
-                deadline = time.perf_counter() + (BLOCKING_POLL_S if detached and spin_s
-                                                  else spin_s)
+                deadline = time.perf_counter() + (max(spin_s, BLOCKING_POLL_S)
+                                                  if detached and spin_s else spin_s)
                 while rnd.advance() is None:
                     if time.perf_counter() >= deadline:
                         if detached:

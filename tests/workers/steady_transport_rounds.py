@@ -23,7 +23,7 @@ shared memory the collective runs there too, ShmChannel._submit). Checks:
   outlasts it), the finisher thread finishes it;
 - late_peer: a blocking caller whose peer arrives 50 ms late polls its round past the spin
   window (engine.BLOCKING_POLL_S) and still takes the express lane;
-- busy_engine: a blocking caller that finds the background thread holding the engine for 1 ms
+- busy_engine: a blocking caller that finds another thread holding the engine for a moment
   waits for it (engine.DRIVE_WAIT_S) and still takes the express lane;
 - batch: a step's tensors submitted in one call (the DistributedOptimizer's deferred gradients)
   and a grouped allreduce are driven by their caller too;
@@ -43,6 +43,7 @@ shared memory the collective runs there too, ShmChannel._submit). Checks:
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import torch
@@ -242,32 +243,39 @@ def late_peer():
 
 
 def busy_engine():
-    """The background thread holds the engine (its drive lock) for 1 ms when a blocking
-    allreduce starts, as on its periodic wake-ups: the caller waits for it
-    (engine.DRIVE_WAIT_S) and still takes the express lane, instead of going through the queue
-    and the background thread."""
-    import threading
+    """Another thread holds the engine (its drive lock) for 20 ms when a blocking allreduce
+    starts, as the background thread does for a moment on its periodic wake-ups: the caller
+    waits for it (engine.DRIVE_WAIT_S) and still takes the express lane, instead of going
+    through the queue and the background thread. Both windows (DRIVE_WAIT_S, and
+    BLOCKING_POLL_S for the peer's round) are 2 s here, so that a loaded machine cannot
+    stretch the hold or the ranks' distance past them."""
     eng = basics._state.engine
-    for k in range(3):
-        x = gen(rank, (33,), torch.float32, salt=("be", k))
-        want = sum(gen(r, (33,), torch.float32, salt=("be", k)) for r in range(size))
-        hvd.allreduce(torch.zeros(1), name="r.sync")
-        held = threading.Event()
+    held = threading.Event()
 
-        def hold() -> None:
-            with eng._drive:
-                held.set()
-                time.sleep(0.001)
+    def hold() -> None:
+        with eng._drive:
+            held.set()
+            time.sleep(0.02)
 
-        holder = threading.Thread(target=hold)
-        holder.start()
-        held.wait()
-        before = counters()["express"]
-        same(hvd.allreduce(x, name="r.busy", op=hvd.Sum), want, f"busy engine {k}")
-        holder.join()
-        if k and counters()["express"] - before != 1:
-            fail(f"an allreduce that found the engine busy for 1 ms left the express lane: "
-                 f"{counters()}")
+    wait_s, engine.DRIVE_WAIT_S = engine.DRIVE_WAIT_S, 2.0
+    poll_s, engine.BLOCKING_POLL_S = engine.BLOCKING_POLL_S, 2.0
+    try:
+        for k in range(3):
+            x = gen(rank, (33,), torch.float32, salt=("be", k))
+            want = sum(gen(r, (33,), torch.float32, salt=("be", k)) for r in range(size))
+            hvd.allreduce(torch.zeros(1), name="r.sync")
+            held.clear()
+            holder = threading.Thread(target=hold)
+            holder.start()
+            held.wait()
+            before = counters()["express"]
+            same(hvd.allreduce(x, name="r.busy", op=hvd.Sum), want, f"busy engine {k}")
+            holder.join()
+            if k and counters()["express"] - before != 1:     # (k = 0: first sight of r.busy)
+                fail(f"an allreduce that found the engine busy for 20 ms left the express "
+                     f"lane: {counters()}")
+    finally:
+        engine.DRIVE_WAIT_S, engine.BLOCKING_POLL_S = wait_s, poll_s
 
 
 def batch():
