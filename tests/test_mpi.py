@@ -136,7 +136,9 @@ def test_cold_cache_benchmark_runs(tmp_path):
 @pytest.mark.timeout(60)
 def test_agreement_round_encoding():
     """backends/mpi.Agreement on MPI's COMM_SELF: bits, the fallback flag, the payload's tag,
-    its width limit and the error for overlapping rounds (workers/mpi_agreement_units.py)."""
+    its width limit and the error for overlapping rounds; and backends/mpi._Sequence, started
+    lazily, run to the end by test() or wait(), complete for good
+    (workers/mpi_agreement_units.py)."""
     e = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, str(WORKERS / "mpi_agreement_units.py")],

@@ -379,12 +379,14 @@ def engine_counters() -> dict:
     """This rank's engine counters: messages to the coordinator, steady-state rounds and the
     tensors they released, fallbacks to full negotiation (tests and benchmarks read them),
     `shm_collectives`: collectives the gloo transport ran through shared memory,
-    `in_place_members`: members of fused allreduces that MPI reduced in place, and
+    `in_place_members`: members of fused allreduces that MPI reduced in place,
+    `in_place_sequences`: fused allreduces whose in-place members MPI ran as one chain, and
     `staged_allreduces`: GPU allreduces moved through page-locked host memory in one copy each
     way (a host transport serving CUDA tensors)."""
     engine = _require().engine
     counters = dict(engine.counters)
     counters["in_place_members"] = engine.executor.in_place_members
+    counters["in_place_sequences"] = engine.executor.in_place_sequences
     counters["staged_allreduces"] = engine.executor.staged_allreduces
     counters["shm_collectives"] = sum(getattr(getattr(c, "shm", None), "ops", 0)
                                       for c in list(engine.comms.values()))

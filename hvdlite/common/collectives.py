@@ -206,6 +206,8 @@ class Executor:
         # Members of fused allreduces reduced in place (_allreduce_in_place): tests check
         # that the path ran.
         self.in_place_members = 0
+        # ...of which chained inside the transport, several members as one piece of work.
+        self.in_place_sequences = 0
         # GPU allreduces staged through pinned host memory (_fused_staged).
         self.staged_allreduces = 0
 
@@ -339,6 +341,27 @@ class Executor:
             big = rest + big
         self._tl(resp.names, "ALLREDUCE")
         self.in_place_members += len(big)
+        sequence = getattr(comm, "allreduce_sequence", None)
+        direct = [i for i in big if outputs[i] is None
+                  or (outputs[i].is_contiguous() and _on(comm, outputs[i]))]
+        if sequence is not None and len(direct) > 1:
+            # Every member reduced in its own memory (a joined rank's zeros in place, then
+            # dropped), the calls chained inside the transport (backends/mpi._Sequence): one
+            # step of this generator instead of one per member. The work starts when first
+            # tested, so the inputs are copied in after it is made.
+            targets = [inputs[i] if outputs[i] is None else outputs[i] for i in direct]
+            work = sequence(targets, op)
+            if work is not None:
+                self.in_place_sequences += 1
+                for i, out in zip(direct, targets):
+                    if not _same_memory(inputs[i], out):
+                        out.copy_(inputs[i])
+                    scale_(out, resp.prescale)
+                yield work
+                for out in targets:
+                    scale_(out, post)
+                done = set(direct)
+                big = [i for i in big if i not in done]
         for i in big:
             src, out = inputs[i], outputs[i]
             if out is None:                        # a joined rank's zeros: reduced, then dropped

@@ -1,12 +1,15 @@
 """backends/mpi.Agreement on one process (MPI's COMM_SELF): how a round encodes and decodes its
 bits, its fallback flag and its payload's tag, the width limit of the payload, and the error
-for a round started before the last one ended; with persistent requests and without. Run as
-a plain process (MPI's singleton start), so the test process itself never initializes MPI."""
+for a round started before the last one ended; with persistent requests and without. Then
+backends/mpi._Sequence, the chained in-place allreduces of a fused response: it starts only
+when first tested or waited for, runs every call, and stays complete once done. Run as a
+plain process (MPI's singleton start), so the test process itself never initializes MPI."""
 from __future__ import annotations
 
 import torch
 from mpi4py import MPI
 
+from hvdlite.common.backends import mpi as backend
 from hvdlite.common.backends.mpi import INLINE_FLOATS, Agreement
 
 
@@ -73,6 +76,39 @@ def check(persistent: bool) -> None:
     ag.close()
 
 
+def check_sequence(driven_by: str) -> None:
+    comm = MPI.COMM_SELF.Dup()
+    ts = [torch.arange(n, dtype=torch.float32) for n in (5, 70000, 3)]
+    launched = []
+
+    class Counting:                   # COMM_SELF, counting the calls the sequence makes
+        def Iallreduce(self, *args):
+            launched.append(args[1])
+            return comm.Iallreduce(*args)
+
+    seq = backend._Sequence(Counting(), [t.numpy() for t in ts], MPI.SUM, yielding=False)
+    assert not launched, "the sequence started before anyone tested or waited for it"
+    if driven_by == "test":
+        for _ in range(10000):
+            if seq.is_completed():
+                break
+        else:
+            raise AssertionError("a sequence on COMM_SELF did not complete")
+    else:
+        seq.wait()
+    assert len(launched) == 3 and [a.size for a in launched] == [5, 70000, 3], launched
+    for _ in range(3):                # complete for good: no call more, nothing raises
+        assert seq.is_completed()
+        seq.wait()
+    assert len(launched) == 3
+    for n, t in zip((5, 70000, 3), ts):
+        assert torch.equal(t, torch.arange(n, dtype=torch.float32))
+    comm.Free()
+    print(f"sequence driven by {driven_by}: ok")
+
+
 check(persistent=True)
 check(persistent=False)
+check_sequence("test")
+check_sequence("wait")
 print("AGREEMENT UNITS OK", flush=True)

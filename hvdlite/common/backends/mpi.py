@@ -98,6 +98,53 @@ def _array(t: torch.Tensor):
     return t.numpy()
 
 
+class _Sequence:
+    """In-place allreduces of several tensors on one communicator, each launched as the one
+    before it completes: one piece of work for the engine (MPICommunicator.allreduce_sequence),
+    whose first call starts at its first test() or wait(), so the caller may fill the tensors
+    after making it.
+
+    Why: a fused response's members of INPLACE_MIN_BYTES or more are reduced in place, one MPI
+    call each (collectives.Executor._allreduce_in_place). Resumed through the engine's
+    generator once per member, each call cost ~20 us of Python beside its MPI time: 100
+    tensors of 4-256 KiB took 4.8 ms on 2 ranks against raw mpi4py's 3.0 ms one by one. Here
+    the next call starts from the test or wait that saw the last one end. (Launching them all
+    at once was slower still: 3.8-4.4 ms raw, MPICH tracking 72 requests.)"""
+
+    __slots__ = ("comm", "arrays", "op", "yielding", "i", "req")
+
+    def __init__(self, comm, arrays: list, op, yielding: bool):
+        self.comm, self.arrays, self.op, self.yielding = comm, arrays, op, yielding
+        self.i = -1                        # started by the first test or wait
+        self.req = None
+
+    def _next(self) -> bool:
+        """The current call has completed: launch the next; False once none is left."""
+        self.i += 1
+        if self.i == len(self.arrays):
+            return False
+        self.req = self.comm.Iallreduce(MPI.IN_PLACE, self.arrays[self.i], self.op)
+        return True
+
+    def is_completed(self) -> bool:
+        if self.i < 0:
+            self._next()
+        while self.i < len(self.arrays) and self.req.Test():
+            if not self._next():
+                return True
+        return self.i >= len(self.arrays)
+
+    def wait(self) -> None:
+        if self.i < 0:
+            self._next()
+        while self.i < len(self.arrays):
+            if self.yielding:
+                _yielding_wait(self.req)
+            else:
+                self.req.Wait()
+            self._next()
+
+
 def _free(comm) -> None:
     """Free a communicator (None: nothing); at shutdown MPI may already be finalized."""
     if comm is not None:
@@ -336,6 +383,14 @@ class MPICommunicator(shm.ShmRouted):
             return cls(world.Dup(), in_order, store=store, timeout_s=timeout_s)
         group = world.Get_group().Incl(list(ranks))
         return cls(world.Create_group(group), in_order, store=store, timeout_s=timeout_s)
+
+    def allreduce_sequence(self, tensors: list, op: int):
+        """In-place allreduces of contiguous CPU `tensors` on this communicator, one after
+        another (_Sequence says why), as one piece of work; None where a dtype needs widening
+        (those go one by one through _allreduce) or shared memory carries the data."""
+        if self.shm is not None or any(t.dtype in _WIDEN for t in tensors):
+            return None
+        return _Sequence(self.comm, [_array(t) for t in tensors], _ops()[op], self.yielding)
 
     def _allreduce(self, tensor: torch.Tensor, op: int):
         wide = _WIDEN.get(tensor.dtype)
