@@ -10,7 +10,8 @@ import torch
 from mpi4py import MPI
 
 from hvdlite.common.backends import mpi as backend
-from hvdlite.common.backends.mpi import INLINE_FLOATS, Agreement
+from hvdlite.common.backends.mpi import Agreement
+from hvdlite.common.protocol import INLINE_FLOATS
 
 
 def done(req):

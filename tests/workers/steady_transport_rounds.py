@@ -346,7 +346,7 @@ def compacted():
 
 
 def payload():
-    from hvdlite.common.backends.mpi import INLINE_FLOATS
+    from hvdlite.common.protocol import INLINE_FLOATS
     steps = range(100, 110)
     # (name, shape, dtype, keyword arguments, carried in the round)
     cases = [("p.sum", (33,), torch.float32, {"op": hvd.Sum}, True),
