@@ -41,9 +41,10 @@ The protocol, per process set (every rank of the set runs it; rank 0 is not spec
    shared-memory rounds no longer fitted and went to the control connections: a 4 KiB allreduce
    took 300 us instead of 40 for the rest of the job). MPI matches every rank's k-th round. It
    costs a few us through shared memory against ~100 us for messages between Python threads,
-   and every rank leaves the round at almost the same moment. A caller whose one tensor is all
-   its rank has in flight runs the round itself, and, where MPI waits may spin, its collective too
-   (engine.Engine._drive_inline); a round nobody spins on is polled by a RoundWaiter thread.
+   and every rank leaves the round at almost the same moment. A caller whose tensors are all
+   its rank has in flight (one call, or a step's gradients submitted together) runs the round
+   itself, and, where MPI waits may spin, their collective too (engine.Engine._drive_inline); a
+   round nobody spins on is polled by a RoundWaiter thread.
    The express lane (engine.Engine.express and _express) is the same round and release in
    one straight line, for the commonest case: a blocking allreduce of one cached tensor with
    nothing else in flight (ops.allreduce_now). It offers the same bits in the same round, so a
