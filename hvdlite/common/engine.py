@@ -472,7 +472,7 @@ class Engine:
 
         The background thread may have changed the state since enqueue looked, or may hold the
         drive lock longer than DRIVE_WAIT_S: then `go` goes the usual way, through the queue."""
-        if self._drive.acquire(timeout=_drive_wait_s()):
+        if self._take_drive():
             try:
                 with self._lock:
                     ok = self._closed is None and self._inline_set(go) is st
@@ -495,6 +495,11 @@ class Engine:
             if self._closed is None:
                 self._queue.extend(go)
         self._wake()
+
+    def _take_drive(self) -> bool:
+        """Take the drive lock for a caller: at once when it is free (the common case, without
+        looking up the thread), else after waiting up to _drive_wait_s()."""
+        return self._drive.acquire(False) or self._drive.acquire(timeout=_drive_wait_s())
 
     def _express_ok(self, e: Entry, comm) -> bool:
         """Whether `e` may take the express lane (_express): one CPU allreduce into an output,
@@ -523,7 +528,7 @@ class Engine:
         """
         req = e.request
         key = (req.process_set_id, req.name)
-        if not self._drive.acquire(timeout=_drive_wait_s()):
+        if not self._take_drive():
             return None
         try:
             with self._lock:
