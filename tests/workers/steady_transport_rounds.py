@@ -84,6 +84,20 @@ def long_spin():
             channel.spin_s = channel_spin
 
 
+@contextlib.contextmanager
+def engine_windows(**values):
+    """Set the engine's module-level windows (BLOCKING_POLL_S, DRIVE_WAIT_S) for a check, and
+    restore them after it."""
+    saved = {name: getattr(engine, name) for name in values}
+    for name, value in values.items():
+        setattr(engine, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(engine, name, value)
+
+
 def sync_step(k: int) -> None:
     x = gen(rank, (33,), torch.float32, salt=("x", k))
     same(hvd.allreduce(x, name="r.sum", op=hvd.Sum),
@@ -200,12 +214,8 @@ def large():
     def step(k: int) -> None:         # inputs ready: the ranks arrive together
         # The caller polls its transfer itself (k < 67), or hands it to the finisher thread at
         # once (a window of 0: the path a transfer longer than BLOCKING_POLL_S takes).
-        poll_s = engine.BLOCKING_POLL_S
-        engine.BLOCKING_POLL_S = poll_s if k < 67 else 0.0
-        try:
+        with engine_windows(BLOCKING_POLL_S=engine.BLOCKING_POLL_S if k < 67 else 0.0):
             got[k] = hvd.allreduce(xs[k], name="r.large", op=hvd.Sum)
-        finally:
-            engine.BLOCKING_POLL_S = poll_s
 
     with long_spin():
         d = steady_delta(step, range(60, 64), range(64, 70))
@@ -225,8 +235,7 @@ def late_peer():
         hvd.allreduce(gen(rank, (700,), torch.float32, salt=("lp", k)), name="r.late",
                       op=hvd.Sum)
         hvd.allreduce(torch.zeros(1), name="r.sync")
-    poll_s, engine.BLOCKING_POLL_S = engine.BLOCKING_POLL_S, 2.0
-    try:
+    with engine_windows(BLOCKING_POLL_S=2.0):
         for k in range(4, 7):
             x = gen(rank, (700,), torch.float32, salt=("lp", k))
             want = sum(gen(r, (700,), torch.float32, salt=("lp", k)) for r in range(size))
@@ -238,8 +247,6 @@ def late_peer():
             d = {n: counters()[n] - before[n] for n in ("express", "coordinator_messages")}
             if rank == 0 and d != {"express": 1, "coordinator_messages": 0}:
                 fail(f"a peer 50 ms late took rank 0 off the express lane ({k}): {d}")
-    finally:
-        engine.BLOCKING_POLL_S = poll_s
 
 
 def busy_engine():
@@ -257,9 +264,7 @@ def busy_engine():
             held.set()
             time.sleep(0.02)
 
-    wait_s, engine.DRIVE_WAIT_S = engine.DRIVE_WAIT_S, 2.0
-    poll_s, engine.BLOCKING_POLL_S = engine.BLOCKING_POLL_S, 2.0
-    try:
+    with engine_windows(DRIVE_WAIT_S=2.0, BLOCKING_POLL_S=2.0):
         for k in range(3):
             x = gen(rank, (33,), torch.float32, salt=("be", k))
             want = sum(gen(r, (33,), torch.float32, salt=("be", k)) for r in range(size))
@@ -274,8 +279,6 @@ def busy_engine():
             if k and counters()["express"] - before != 1:     # (k = 0: first sight of r.busy)
                 fail(f"an allreduce that found the engine busy for 20 ms left the express "
                      f"lane: {counters()}")
-    finally:
-        engine.DRIVE_WAIT_S, engine.BLOCKING_POLL_S = wait_s, poll_s
 
 
 def batch():
@@ -287,7 +290,7 @@ def batch():
     from hvdlite.torch.mpi_ops import _allreduce_batch_async
     shapes = [(50,), (3, 7), (300,)]
 
-    def want(salt, i):
+    def want(salt: str, i: int, k: int) -> torch.Tensor:
         return sum(gen(r, shapes[i], torch.float32, salt=(salt, i, k)) for r in range(size))
 
     def step(k: int) -> None:
@@ -298,10 +301,8 @@ def batch():
         gs = [gen(rank, s, torch.float32, salt=("gr", i, k)) for i, s in enumerate(shapes)]
         got += hvd.grouped_allreduce(gs, name="r.grp", op=hvd.Sum)
         for i in range(3):
-            same(got[i], sum(gen(r, shapes[i], torch.float32, salt=("bt", i, k))
-                             for r in range(size)), f"batch {k} {i}")
-            same(got[3 + i], sum(gen(r, shapes[i], torch.float32, salt=("gr", i, k))
-                                 for r in range(size)), f"grouped {k} {i}")
+            same(got[i], want("bt", i, k), f"batch {k} {i}")
+            same(got[3 + i], want("gr", i, k), f"grouped {k} {i}")
 
     d = steady_delta(step, range(4), range(4, 10))
     if d["coordinator_messages"] or d["peer_messages"] or d["steady_released"] != 36:
