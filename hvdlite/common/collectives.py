@@ -159,6 +159,15 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
                        and a.dtype == b.dtype and a.get_device() == b.get_device()))
 
 
+def _fill(src: torch.Tensor, out: torch.Tensor, prescale: float) -> None:
+    """Put `src`, prescaled, in `out`, where it is reduced in place. In-place calls hand the
+    same storage in as two tensor objects: comparing objects copied a 64 MiB gradient onto
+    itself before every transfer."""
+    if not _same_memory(src, out):
+        out.copy_(src)
+    scale_(out, prescale)
+
+
 def _staged_gpu(comm, inputs: list) -> Optional[str]:
     """The GPU ("cuda:N") whose tensors `comm`, a host transport, is given, else None."""
     if comm.device != "cpu":
@@ -221,11 +230,7 @@ class Executor:
         """Allreduce `src` in `out` (contiguous, on `comm`'s device), prescaled, then
         postscaled: a lone tensor, or a member of a fused response that skips the fusion
         buffer. `names`: the timeline's ALLREDUCE phase starts at the transport call."""
-        # In-place calls hand the same storage in as two tensor objects: comparing objects
-        # copied a 64 MiB gradient onto itself before every transfer.
-        if not _same_memory(src, out):
-            out.copy_(src)
-        scale_(out, prescale)
+        _fill(src, out, prescale)
         if names is not None:
             self._tl(names, "ALLREDUCE")
         yield comm.allreduce(out, op)
@@ -354,9 +359,7 @@ class Executor:
             if work is not None:
                 self.in_place_sequences += 1
                 for i, out in zip(direct, targets):
-                    if not _same_memory(inputs[i], out):
-                        out.copy_(inputs[i])
-                    scale_(out, resp.prescale)
+                    _fill(inputs[i], out, resp.prescale)
                 yield work
                 for out in targets:
                     scale_(out, post)
