@@ -34,8 +34,8 @@ import pytest
 
 from util import Run
 
-CHECKS = ["steady_hits", "buckets", "grouped", "barrier", "unnamed", "changed_shape", "join",
-          "process_set"]
+CHECKS = ["steady_hits", "payloads", "buckets", "grouped", "barrier", "unnamed", "changed_shape",
+          "join", "process_set"]
 
 
 @pytest.fixture(scope="module")

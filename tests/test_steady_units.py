@@ -46,6 +46,34 @@ def test_round_agrees_for_any_size_and_order(n):
         assert max(sent) <= int(math.log2(p)) + (1 if p != n else 0)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 7, 8, 12])
+def test_a_round_carries_one_payload_summed_alike_on_every_rank(n):
+    """(bits, flag, tag, payload) values: with one tag everywhere, every rank ends with the same
+    float32 array, bit for bit, the payloads' sum (engine.Engine._round_done finishes the
+    allreduce from it); a rank offering another tag, or none, leaves (bits, flag) on every
+    rank, whatever the delivery order."""
+    np = pytest.importorskip("numpy")
+    rng = random.Random(n)
+    gen = np.random.default_rng(n)
+    for trial in range(4):
+        arrays = [gen.standard_normal(37).astype(np.float32) for _ in range(n)]
+        values = [(rng.getrandbits(20) | (1 << 7), False, 7, arrays[me]) for me in range(n)]
+        results, _ = _run(n, values, seed=trial)
+        want_bits = -1
+        for v in values:
+            want_bits &= v[0]
+        assert all(r[:3] == (want_bits, False, 7) for r in results), (n, trial)
+        assert len({r[3].tobytes() for r in results}) == 1, (n, trial)
+        np.testing.assert_allclose(results[0][3], np.sum(np.stack(arrays), 0, dtype=np.float64),
+                                   rtol=1e-5, atol=1e-5)
+        odd = rng.randrange(n)
+        for other in [(values[odd][0], False), values[odd][:2] + (9, arrays[odd])]:
+            mixed = list(values)
+            mixed[odd] = other
+            results, _ = _run(n, mixed, seed=trial)
+            assert results == [(want_bits, False)] * n, (n, trial, other[2:3])
+
+
 # ------------------------------------------------------------ a member that shut down
 def _engine_with_round(round_no: int):
     """An engine (only the state the steady-state departure path touches) whose set 0 is in

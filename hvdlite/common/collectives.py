@@ -21,6 +21,7 @@ import torch
 from . import adasum as _adasum
 from .messages import (ADASUM, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BROADCAST,
                        REDUCESCATTER, SUM, Response)
+from .protocol import INLINE_FLOATS
 
 DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
           "int64": torch.int64, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -256,9 +257,22 @@ class Executor:
         return True
 
     @staticmethod
+    def inline_array(req, src: torch.Tensor) -> np.ndarray | None:
+        """`src`, prescaled, as the payload of a round over the control connections
+        (steady.Round), when that round may carry its allreduce (the same rule as inline_in,
+        at most INLINE_FLOATS elements); else None."""
+        if src.numel() > INLINE_FLOATS:
+            return None
+        buf = torch.empty(src.numel(), dtype=torch.float32)
+        return buf.numpy() if Executor.inline_in(buf, req, src) else None
+
+    @staticmethod
     def inline_out(payload: torch.Tensor, req, out: torch.Tensor, size: int) -> None:
         """A round's payload holds the sum of every rank's `inline_in`: finish the allreduce
-        into `out` as allreduce() would (postscale, and 1/size for an average)."""
+        into `out` as allreduce() would (postscale, and 1/size for an average). `payload`: a
+        tensor, or the float32 array a round over the control connections summed."""
+        if isinstance(payload, np.ndarray):
+            payload = torch.from_numpy(payload)
         n = out.numel()
         if out.is_contiguous():
             ctypes.memmove(out.data_ptr(), payload.data_ptr(), 4 * n)

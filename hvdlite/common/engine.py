@@ -32,6 +32,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 from . import collectives, rendezvous
 from .exceptions import HorovodInternalError, HorovodMismatchError
 from .flight_recorder import RECORDER, dump, dump_async
@@ -647,7 +649,7 @@ class Engine:
             result = rnd.result
         else:
             result = rnd.advance()
-        common, fallback = result
+        common, fallback = result[0], result[1]
         bit = e.sent_bit
         if fallback or st.reported or not (common >> bit) & 1 or self._closed is not None:
             if detached:
@@ -659,7 +661,7 @@ class Engine:
         counters["steady_groups"] += 1
         counters["express"] += 1
         if tag >= 0 and rnd.inline_bit() == bit:
-            self._finish_in_round(st, e, rnd)
+            self._finish_in_round(st, e, rnd.request.payload())
             return True if detached else None
         resp = build_responses(self.cache, st.set_id, [bit], self.settings.fusion_threshold,
                                not self.settings.disable_group_fusion)[0]
@@ -693,12 +695,13 @@ class Engine:
         self._transport.put((seq, gen, work, resp, None))
         return handle
 
-    def _finish_in_round(self, st: SteadySet, e: Entry, rnd: TransportRound) -> None:
-        """Every rank's round carried `e`'s tensor (TransportRound.inline_bit): its payload
-        holds the allreduce, so `e` finishes here with no collective launched, on every rank
-        alike. Drive lock held, before the set's next round reuses the payload."""
+    def _finish_in_round(self, st: SteadySet, e: Entry, payload) -> None:
+        """Every rank's round carried `e`'s tensor (TransportRound.inline_bit, or the tag of a
+        round over the control connections): `payload` holds the allreduce, so `e` finishes
+        here with no collective launched, on every rank alike. Drive lock held, before the
+        set's next round reuses a transport's payload."""
         RECORDER.started(e.flight)
-        self.executor.inline_out(rnd.request.payload(), e.request, e.output, len(st.ranks))
+        self.executor.inline_out(payload, e.request, e.output, len(st.ranks))
         e.result = e.output
         self.counters["round_payloads"] += 1
         RECORDER.finished(e.flight)
@@ -1130,7 +1133,8 @@ class Engine:
 
         A transport round is polled for up to `spin_s` (a caller driving its own collective),
         then handed to the round waiter; a round over the control connections advances as its
-        messages arrive."""
+        messages arrive. A round over the control connections whose one pending tensor is a
+        small float32 allreduce carries it (steady.py, point 2; Executor.inline_array)."""
         # Not while a round's responses are being launched: a round started (and finished) from
         # inside would launch its collectives before the rest of the round's, out of order.
         if self._releasing or not st.wants_round():
@@ -1138,9 +1142,18 @@ class Engine:
         if st.gone is not None:                 # a member left: no round can end any more
             self._steady_fail_gone(st, st.gone)
             return
-        rnd = st.start_round(lambda idx, k, tag, value: self._peer_send(
-            st.ranks[idx], (STEADY_MSG, st.set_id, st.epoch, k, tag, value[0], value[1])),
-            time.monotonic())
+        tag, payload = -1, None
+        if st.agreement is None and len(st.pending) == 1 and not st.fallback \
+                and len(st.ranks) > 1:
+            tag, e = next(iter(st.pending.items()))
+            if self._express_ok(e, self.comms.get((st.set_id, "cpu"))):
+                payload = self.executor.inline_array(e.request, e.tensor)
+            if payload is None:
+                tag = -1
+        rnd = st.start_round(lambda idx, k, step, value: self._peer_send(
+            st.ranks[idx], (STEADY_MSG, st.set_id, st.epoch, k, step, value[0], value[1])
+            + (() if len(value) == 2 else (value[2], value[3].tobytes()))),
+            time.monotonic(), tag, payload)
         self.counters["steady_rounds"] += 1
         if self._closed is not None:
             return
@@ -1174,33 +1187,45 @@ class Engine:
             self._round_done(st, result)
 
     def _on_steady_msg(self, msg) -> None:
-        _, sid, epoch, k, tag, bits, flag = msg
+        sid, epoch, k, step = msg[1:5]
         st = self.steady.get(sid)
         if st is None or st.epoch != epoch:
             if epoch > self.epochs.get(sid, 0):      # a peer saw "D" before this rank did
                 self._early.setdefault((sid, epoch), []).append(msg)
             return
-        st.offer(k, tag, (bits, flag))
+        if len(msg) == 7:
+            value = msg[5:]
+        else:                                        # a round carrying one small allreduce
+            bits, flag, tag, payload = msg[5:]
+            value = (bits, flag, tag, np.frombuffer(bytearray(payload), dtype=np.float32))
+        st.offer(k, step, value)
         if st.round is not None and k == st.round_no:
             self._advance(st, st.round)
 
-    def _round_done(self, st: SteadySet, result: tuple[int, bool]) -> None:
-        common, fallback = result
+    def _round_done(self, st: SteadySet, result: tuple) -> None:
+        common, fallback = result[0], result[1]
         rnd = st.round
         released = st.finish_round(common & st.round_bits)
         if st.reported:
             st.reported = False
             self._send_coordinator((Msg.STEADY_WAIT, st.set_id, st.epoch, [], 0.0))
         self.counters["steady_released"] += len(released)
-        if released and rnd.__class__ is TransportRound:
-            # A round every rank tagged (an express caller's, handed on here) carried its one
-            # tensor's allreduce: finish it from the payload, as every other rank does.
-            inline = rnd.inline_bit()
+        inline = -1
+        if released:
+            # A round every rank tagged (an express caller's, handed on here, or one over the
+            # control connections) carried its one tensor's allreduce: finish it from the
+            # payload, as every other rank does.
+            if rnd.__class__ is TransportRound:
+                inline = rnd.inline_bit()
+            elif len(result) > 2:
+                inline = result[2]
+        if inline >= 0:
             for i, (bit, e) in enumerate(released):
                 if bit == inline:
                     del released[i]
                     self.counters["steady_groups"] += 1
-                    self._finish_in_round(st, e, rnd)
+                    self._finish_in_round(st, e, rnd.request.payload()
+                                          if rnd.__class__ is TransportRound else result[3])
                     break
         if released:
             threshold = self.settings.fusion_threshold

@@ -62,6 +62,13 @@ The protocol, per process set (every rank of the set runs it; rank 0 is not spec
    (engine.Engine._finish_in_round, from the express lane or from _round_done when the round
    ended elsewhere). Otherwise the payload is ignored; every rank reads the same tags, so all
    decide alike.
+   A round over the control connections carries one the same way: a rank whose only pending
+   tensor is such an allreduce adds ``(tag, payload)`` to its "K" messages, and each step of
+   the recursive doubling sums the two payloads when both carry the same tag (combine), so
+   every rank ends the round with the same sum, bit for bit, and finishes the allreduce from it
+   (engine.Engine._round_done); a step where a side carries another tag, or none, drops the
+   payload for the rest of the round, on every rank. On 2 gloo ranks without shared memory, a
+   4 KiB allreduce took ~1.7 ms as a round and a gloo call, ~0.25 ms as the round alone.
    HVDLITE_STEADY_ROUNDS=peers keeps the messages.
 3. Release. Every rank releases the common bits of the round, in ascending bit order, fused
    exactly as the coordinator fuses (fusion.fuse_responses with the configured threshold), from
@@ -104,6 +111,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 from .fusion import fuse_responses
 from .messages import Response
 from .protocol import Msg
@@ -118,13 +127,25 @@ def gone_message(gone: list, what: str) -> str:
             f"out of data early; use hvd.join() for uneven inputs.")
 
 
-def combine(a: tuple[int, bool], b: tuple[int, bool]) -> tuple[int, bool]:
-    """The round's reduction: AND of ready bits, OR of fallback flags."""
-    return a[0] & b[0], a[1] or b[1]
+def combine(a: tuple, b: tuple) -> tuple:
+    """The round's reduction: AND of ready bits, OR of fallback flags. Values that carry a
+    payload, ``(bits, flag, tag, payload)``, keep it when both sides carry one with the same tag,
+    as the payloads' sum; otherwise the result is ``(bits, flag)`` and stays so for the rest of
+    the round, on every rank (a rank that offered no payload, or another tensor, is in it).
+
+    Why the sum agrees bitwise on every rank: each step adds two partial sums, and IEEE addition
+    is commutative, so the two partners of a step compute the same array; recursive doubling
+    then hands identical partials to identical steps (and the extra ranks of a size that is not
+    a power of two get the final value itself)."""
+    if len(a) == 2 or len(b) == 2 or a[2] != b[2]:
+        return a[0] & b[0], a[1] or b[1]
+    with np.errstate(all="ignore"):      # inf and nan are results here, as on the transport
+        return a[0] & b[0], a[1] or b[1], a[2], a[3] + b[3]
 
 
 class Round:
     """One recursive-doubling allreduce of (bits, flag) over a set's ranks; transport-agnostic.
+    A value may also carry a tag and a float32 payload (combine), which the round sums.
 
     `send(index, tag, value)` delivers to the set rank `index`; `offer(tag, value)` hands in a
     message received for this round. `advance()` makes every step whose input is present and
@@ -134,7 +155,7 @@ class Round:
 
     __slots__ = ("me", "n", "p", "value", "step", "stage", "inbox", "send", "result")
 
-    def __init__(self, me: int, n: int, value: tuple[int, bool],
+    def __init__(self, me: int, n: int, value: tuple,
                  send: Callable[[int, Any, tuple], None]):
         self.me, self.n = me, n
         p = 1
@@ -145,7 +166,7 @@ class Round:
         self.step = 0
         self.inbox: dict = {}
         self.send = send
-        self.result: tuple[int, bool] | None = None
+        self.result: tuple | None = None
         if me >= p:                      # an extra rank: hand the value in, wait for the result
             send(me - p, "pre", value)
             self.stage = "post"
@@ -159,10 +180,10 @@ class Round:
         if (1 << self.step) < self.p:
             self.send(self.me ^ (1 << self.step), self.step, self.value)
 
-    def offer(self, tag, value: tuple[int, bool]) -> None:
+    def offer(self, tag, value: tuple) -> None:
         self.inbox[tag] = value
 
-    def advance(self) -> tuple[int, bool] | None:
+    def advance(self) -> tuple | None:
         while self.result is None:
             if self.stage == "post":
                 if "post" not in self.inbox:
@@ -308,7 +329,10 @@ class SteadySet:
         return self.round is None and (bool(self.pending) or self.fallback)
 
     def start_round(self, send: Callable[[int, Any, tuple], None], now: float,
-                    tag: int = -1) -> Round:
+                    tag: int = -1, payload=None) -> Round:
+        """Start round `round_no` offering every pending bit. `tag` >= 0: the caller put that
+        bit's tensor in the transport agreement's payload (TransportRound), or passes it here
+        as `payload`, a float32 array, for a round over the control connections."""
         bits = 0
         for bit in self.pending:
             bits |= 1 << bit
@@ -320,14 +344,15 @@ class SteadySet:
                                  self.slot_of, tag)
             self.round = rnd
             return rnd
-        rnd = Round(self.me, len(self.ranks), (bits, self.fallback),
+        value = (bits, self.fallback) if payload is None else (bits, self.fallback, tag, payload)
+        rnd = Round(self.me, len(self.ranks), value,
                     lambda idx, tag, value: send(idx, k, tag, value))
         self.round = rnd
         for (r, tag) in [key for key in self.inbox if key[0] == k]:
             rnd.offer(tag, self.inbox.pop((r, tag)))
         return rnd
 
-    def offer(self, round_no: int, tag, value: tuple[int, bool]) -> None:
+    def offer(self, round_no: int, tag, value: tuple) -> None:
         if self.round is not None and round_no == self.round_no:
             self.round.offer(tag, value)
         else:

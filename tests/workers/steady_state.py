@@ -261,7 +261,55 @@ def buckets():
             fail(f"synchronous calls on MPI were not driven by the caller: {counters()}")
 
 
+def payloads():
+    """Over the control connections, a round whose only tensor is a small float32 allreduce
+    carries it (steady.py, point 2): every rank sums the payloads in the round and no gloo call
+    is made. Larger, float64 and integer tensors take the transport as before; results are
+    exact either way (integer-valued inputs), on 3 ranks (a pre/post step in each round)."""
+    cases = [  # name, shape, dtype, keyword arguments, carried in the round
+        ("pl.sum", (5,), torch.float32, {"op": hvd.Sum}, True),
+        ("pl.avg", (3, 4), torch.float32,
+         {"op": hvd.Average, "prescale_factor": 0.5, "postscale_factor": 3.0}, True),
+        ("pl.full", (32, 32), torch.float32, {"op": hvd.Sum}, True),     # INLINE_FLOATS
+        ("pl.over", (1025,), torch.float32, {"op": hvd.Sum}, False),
+        ("pl.f64", (5,), torch.float64, {"op": hvd.Sum}, False),
+        ("pl.int", (5,), torch.int32, {"op": hvd.Sum}, False),
+        ("pl.max", (5,), torch.float32, {"op": hvd.Max}, False),
+    ]
+
+    def run(k: int) -> None:
+        for name, shape, dtype, kw, _ in cases:
+            xs = [gen(r, shape, dtype, salt=(name, k)) for r in range(size)]
+            ref = torch.stack(xs).max(0).values if kw["op"] == hvd.Max else sum(xs)
+            if kw["op"] == hvd.Average:
+                ref = ref * 0.5             # prescale 0.5, postscale 3 / 3 ranks: exact
+            same(hvd.allreduce(xs[rank], name=name, **kw), ref, f"{name} step {k}")
+            y = xs[rank].clone()
+            hvd.allreduce_(y, name=name + "_", **kw)
+            same(y, ref, f"{name} in place, step {k}")
+
+    d = steady_delta(run, range(3), range(3, 9))
+    if d["coordinator_messages"]:
+        fail(f"steady steps sent {d['coordinator_messages']} messages to the coordinator: {d}")
+    if basics._state.engine.comms[(0, "cpu")].agreement is None:
+        want = 6 * 2 * sum(1 for c in cases if c[-1])
+        if d["round_payloads"] != want or d["transport_rounds"]:
+            fail(f"{d['round_payloads']} allreduces carried by rounds over the control "
+                 f"connections, expected {want}: {d}")
+
+    # Crossed submission orders: each rank's first round offers another tensor, so the tags
+    # differ and no payload may be used; the next round releases both through the transport.
+    for k in range(4):
+        xs = {n: [gen(r, (6,), torch.float32, salt=(n, k)) for r in range(size)]
+              for n in ("pl.x", "pl.y")}
+        order = ["pl.x", "pl.y"] if rank != 1 else ["pl.y", "pl.x"]
+        hs = {n: hvd.allreduce_async(xs[n][rank], name=n, op=hvd.Sum) for n in order}
+        for n in order:
+            same(hvd.synchronize(hs[n]), sum(xs[n]), f"crossed {n} step {k}")
+
+
 check("steady_hits", steady_hits)
+check("payloads", payloads)
 check("buckets", buckets)
 check("grouped", grouped)
 check("barrier", barrier)
