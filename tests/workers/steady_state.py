@@ -270,8 +270,9 @@ def payloads():
         ("pl.sum", (5,), torch.float32, {"op": hvd.Sum}, True),
         ("pl.avg", (3, 4), torch.float32,
          {"op": hvd.Average, "prescale_factor": 0.5, "postscale_factor": 3.0}, True),
-        ("pl.full", (32, 32), torch.float32, {"op": hvd.Sum}, True),     # INLINE_FLOATS
-        ("pl.over", (1025,), torch.float32, {"op": hvd.Sum}, False),
+        ("pl.mpi", (1025,), torch.float32, {"op": hvd.Sum}, True),     # > INLINE_FLOATS
+        ("pl.full", (128, 128), torch.float32, {"op": hvd.Sum}, True),  # PEER_INLINE_FLOATS
+        ("pl.over", (16385,), torch.float32, {"op": hvd.Sum}, False),
         ("pl.f64", (5,), torch.float64, {"op": hvd.Sum}, False),
         ("pl.int", (5,), torch.int32, {"op": hvd.Sum}, False),
         ("pl.max", (5,), torch.float32, {"op": hvd.Max}, False),
