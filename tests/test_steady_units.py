@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from hvdlite.common.steady import Round
+from hvdlite.common.steady import Round, payload_sum
 
 
 def _run(n: int, values: list, seed: int) -> tuple[list, list]:
@@ -48,28 +48,32 @@ def test_round_agrees_for_any_size_and_order(n):
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 7, 8, 12])
 def test_a_round_carries_one_payload_summed_alike_on_every_rank(n):
-    """(bits, flag, tag, payload) values: with one tag everywhere, every rank ends with the same
-    float32 array, bit for bit, the payloads' sum (engine.Engine._round_done finishes the
-    allreduce from it); a rank offering another tag, or none, leaves (bits, flag) on every
-    rank, whatever the delivery order."""
+    """(bits, flag, tag, {rank: payload}) values: with one tag everywhere, every rank ends with
+    every rank's payload, and payload_sum adds them in rank order, the same bits on every rank
+    as the shared-memory path's ((p0 + p1) + p2 ...); a rank offering another tag, or none,
+    leaves (bits, flag) on every rank, whatever the delivery order."""
     np = pytest.importorskip("numpy")
     rng = random.Random(n)
     gen = np.random.default_rng(n)
     for trial in range(4):
         arrays = [gen.standard_normal(37).astype(np.float32) for _ in range(n)]
-        values = [(rng.getrandbits(20) | (1 << 7), False, 7, arrays[me]) for me in range(n)]
+        values = [(rng.getrandbits(20) | (1 << 7), False, 7, {me: arrays[me]})
+                  for me in range(n)]
         results, _ = _run(n, values, seed=trial)
         want_bits = -1
         for v in values:
             want_bits &= v[0]
         assert all(r[:3] == (want_bits, False, 7) for r in results), (n, trial)
-        assert len({r[3].tobytes() for r in results}) == 1, (n, trial)
-        np.testing.assert_allclose(results[0][3], np.sum(np.stack(arrays), 0, dtype=np.float64),
-                                   rtol=1e-5, atol=1e-5)
+        want = arrays[0] + arrays[1]
+        for a in arrays[2:]:
+            want = want + a
+        for r in results:
+            assert sorted(r[3]) == list(range(n)), (n, trial)
+            assert payload_sum(r[3]).tobytes() == want.tobytes(), (n, trial)
         odd = rng.randrange(n)
         for other in [(values[odd][0], False), values[odd][:2] + (9, arrays[odd])]:
             mixed = list(values)
-            mixed[odd] = other
+            mixed[odd] = other if len(other) == 2 else other[:3] + ({odd: other[3]},)
             results, _ = _run(n, mixed, seed=trial)
             assert results == [(want_bits, False)] * n, (n, trial, other[2:3])
 

@@ -21,7 +21,6 @@ import torch
 from . import adasum as _adasum
 from .messages import (ADASUM, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BROADCAST,
                        REDUCESCATTER, SUM, Response)
-from .protocol import PEER_INLINE_FLOATS
 
 DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
           "int64": torch.int64, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -257,11 +256,11 @@ class Executor:
         return True
 
     @staticmethod
-    def inline_array(req, src: torch.Tensor) -> np.ndarray | None:
+    def inline_array(req, src: torch.Tensor, limit: int) -> np.ndarray | None:
         """`src`, prescaled, as the payload of a round over the control connections
-        (steady.Round), when that round may carry its allreduce (the same rule as inline_in,
-        at most PEER_INLINE_FLOATS elements); else None."""
-        if src.numel() > PEER_INLINE_FLOATS:
+        (steady.combine), when that round may carry its allreduce (the same rule as inline_in,
+        at most `limit` elements); else None."""
+        if src.numel() > limit:
             return None
         buf = torch.empty(src.numel(), dtype=torch.float32)
         return buf.numpy() if Executor.inline_in(buf, req, src) else None

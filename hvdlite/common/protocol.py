@@ -83,10 +83,12 @@ __all__ = ["Msg", "Item"]
 # round of 16 bytes took 1.3-1.5 us, one with this payload 2.2 us, one with 16 KiB 8.6 us
 # (MPICH changes algorithm).
 INLINE_FLOATS = 1024
-# The same for a round over the control connections (steady.Round), whose messages have no
-# fixed size: 64 KiB. Measured on 2 gloo ranks without shared memory here (medians of 5
-# rounds, a noisy machine): the round alone took 250-400 us for 4 KiB, 250-400 us for 16 KiB,
-# 330-520 us for 64 KiB, and 580 us for 256 KiB, against 1.7-2.4 ms as a round and a gloo call
-# from 16 KiB up. Past 64 KiB each message's HMAC and copies grow (~70 us a step at 64 KiB,
-# ~0.5 ms at 256 KiB), and recursive doubling sends log2(N) of them where a ring sends 2.
+# The most payload one message of a round over the control connections (steady.combine)
+# carries, in float32 elements: 64 KiB. Those rounds gather every rank's copy of the tensor
+# (so every rank can add them in rank order), and the last step's message holds half of
+# them, so they carry a tensor of up to 2 x this / N elements: 64 KiB on 2 ranks, 16 KiB on 8.
+# Measured on 2 gloo ranks without shared memory here (medians of 5 rounds, a noisy machine):
+# the round alone took 250-400 us for 4 KiB, 250-400 us for 16 KiB, 330-520 us for 64 KiB,
+# and 580 us for 256 KiB, against 1.7-2.4 ms as a round and a gloo call from 16 KiB up. Past
+# 64 KiB each message's HMAC and copies grow (~70 us a step at 64 KiB, ~0.5 ms at 256 KiB).
 PEER_INLINE_FLOATS = 16384

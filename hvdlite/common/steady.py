@@ -62,15 +62,19 @@ The protocol, per process set (every rank of the set runs it; rank 0 is not spec
    (engine.Engine._finish_in_round, from the express lane or from _round_done when the round
    ended elsewhere). Otherwise the payload is ignored; every rank reads the same tags, so all
    decide alike.
-   A round over the control connections carries one the same way, up to PEER_INLINE_FLOATS
-   elements (protocol.py): a rank whose only pending tensor is such an allreduce adds
-   ``(tag, payload)`` to its "K" messages, and each step of
-   the recursive doubling sums the two payloads when both carry the same tag (combine), so
-   every rank ends the round with the same sum, bit for bit, and finishes the allreduce from it
-   (engine.Engine._round_done); a step where a side carries another tag, or none, drops the
-   payload for the rest of the round, on every rank. On 2 gloo ranks without shared memory, a
-   4 KiB allreduce took ~1.7 ms as a round and a gloo call here, ~0.25-0.4 ms as the round
-   alone; 64 KiB ~1.9 ms and ~0.3-0.5 ms.
+   A round over the control connections carries one the same way: a rank whose only pending
+   tensor is such an allreduce, with N x its elements at most 2 x PEER_INLINE_FLOATS
+   (protocol.py; no message carries more than PEER_INLINE_FLOATS), adds ``(tag, payload)`` to
+   its "K" messages. Each step of the recursive doubling gathers the payloads when both sides
+   carry the same tag (combine), so every rank ends the round with every rank's payload, adds
+   them in rank order (payload_sum: the same bits as the shared-memory data path, on every
+   rank) and finishes the allreduce from there (engine.Engine._round_done). A step where a side
+   carries another tag, or none, drops the payloads for the rest of the round, on every rank.
+   (On gloo's TCP path with 3 or more ranks, gloo adds in its own order, so a float sum there
+   may differ in the last bit between a round's copy and gloo's, as it does between a fused
+   and a lone tensor.) On 2 gloo ranks without shared memory, a 4 KiB allreduce took ~1.7 ms
+   as a round and a gloo call here, ~0.25-0.4 ms as the round alone; 64 KiB ~1.9 ms and
+   ~0.3-0.5 ms.
    HVDLITE_STEADY_ROUNDS=peers keeps the messages.
 3. Release. Every rank releases the common bits of the round, in ascending bit order, fused
    exactly as the coordinator fuses (fusion.fuse_responses with the configured threshold), from
@@ -130,24 +134,31 @@ def gone_message(gone: list, what: str) -> str:
 
 
 def combine(a: tuple, b: tuple) -> tuple:
-    """The round's reduction: AND of ready bits, OR of fallback flags. Values that carry a
-    payload, ``(bits, flag, tag, payload)``, keep it when both sides carry one with the same tag,
-    as the payloads' sum; otherwise the result is ``(bits, flag)`` and stays so for the rest of
-    the round, on every rank (a rank that offered no payload, or another tensor, is in it).
-
-    Why the sum agrees bitwise on every rank: each step adds two partial sums, and IEEE addition
-    is commutative, so the two partners of a step compute the same array; recursive doubling
-    then hands identical partials to identical steps (and the extra ranks of a size that is not
-    a power of two get the final value itself)."""
+    """The round's reduction: AND of ready bits, OR of fallback flags. Values that carry
+    payloads, ``(bits, flag, tag, {set rank: payload})``, keep them when both sides carry the
+    same tag, gathered into one dict; otherwise the result is ``(bits, flag)`` and stays so for
+    the rest of the round, on every rank (a rank that offered no payload, or another tensor, is
+    in it). The round gathers the payloads rather than adding partial sums so that every rank
+    can add them in rank order (payload_sum): the order the shared-memory data path adds slots
+    in, so a tensor gets the same bits whether a round carried it or the transport did."""
     if len(a) == 2 or len(b) == 2 or a[2] != b[2]:
         return a[0] & b[0], a[1] or b[1]
+    return a[0] & b[0], a[1] or b[1], a[2], {**a[3], **b[3]}
+
+
+def payload_sum(parts: dict) -> np.ndarray:
+    """The sum of a round's gathered payloads (combine), added in rank order: ((p0 + p1) + p2)
+    ..., as backends/shm.py adds its slots. A new array."""
     with np.errstate(all="ignore"):      # inf and nan are results here, as on the transport
-        return a[0] & b[0], a[1] or b[1], a[2], a[3] + b[3]
+        out = parts[0] + parts[1]
+        for r in range(2, len(parts)):
+            out += parts[r]
+    return out
 
 
 class Round:
     """One recursive-doubling allreduce of (bits, flag) over a set's ranks; transport-agnostic.
-    A value may also carry a tag and a float32 payload (combine), which the round sums.
+    A value may also carry a tag and float32 payloads (combine), which the round gathers.
 
     `send(index, tag, value)` delivers to the set rank `index`; `offer(tag, value)` hands in a
     message received for this round. `advance()` makes every step whose input is present and
@@ -334,7 +345,7 @@ class SteadySet:
                     tag: int = -1, payload=None) -> Round:
         """Start round `round_no` offering every pending bit. `tag` >= 0: the caller put that
         bit's tensor in the transport agreement's payload (TransportRound), or passes it here
-        as `payload`, a float32 array, for a round over the control connections."""
+        as `payload`, a float32 array, for a round over the control connections (combine)."""
         bits = 0
         for bit in self.pending:
             bits |= 1 << bit
@@ -346,7 +357,8 @@ class SteadySet:
                                  self.slot_of, tag)
             self.round = rnd
             return rnd
-        value = (bits, self.fallback) if payload is None else (bits, self.fallback, tag, payload)
+        value = (bits, self.fallback) if payload is None else \
+            (bits, self.fallback, tag, {self.me: payload})
         rnd = Round(self.me, len(self.ranks), value,
                     lambda idx, tag, value: send(idx, k, tag, value))
         self.round = rnd

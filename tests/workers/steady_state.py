@@ -15,6 +15,7 @@ import torch
 import hvdlite.torch as hvd
 from hvdlite.common import basics
 from hvdlite.common.backends import shm
+from hvdlite.common.protocol import PEER_INLINE_FLOATS
 from hvdlite.common.threads import usable_cores
 from ops_common import (check, fail, finish, gen, no_threads_left, same, shape_mismatch,
                         steady_delta)
@@ -266,13 +267,14 @@ def payloads():
     carries it (steady.py, point 2): every rank sums the payloads in the round and no gloo call
     is made. Larger, float64 and integer tensors take the transport as before; results are
     exact either way (integer-valued inputs), on 3 ranks (a pre/post step in each round)."""
+    most = 2 * PEER_INLINE_FLOATS // size      # the largest tensor a round carries on N ranks
     cases = [  # name, shape, dtype, keyword arguments, carried in the round
         ("pl.sum", (5,), torch.float32, {"op": hvd.Sum}, True),
         ("pl.avg", (3, 4), torch.float32,
          {"op": hvd.Average, "prescale_factor": 0.5, "postscale_factor": 3.0}, True),
         ("pl.mpi", (1025,), torch.float32, {"op": hvd.Sum}, True),     # > INLINE_FLOATS
-        ("pl.full", (128, 128), torch.float32, {"op": hvd.Sum}, True),  # PEER_INLINE_FLOATS
-        ("pl.over", (16385,), torch.float32, {"op": hvd.Sum}, False),
+        ("pl.full", (most,), torch.float32, {"op": hvd.Sum}, True),
+        ("pl.over", (most + 1,), torch.float32, {"op": hvd.Sum}, False),
         ("pl.f64", (5,), torch.float64, {"op": hvd.Sum}, False),
         ("pl.int", (5,), torch.int32, {"op": hvd.Sum}, False),
         ("pl.max", (5,), torch.float32, {"op": hvd.Max}, False),
@@ -297,6 +299,28 @@ def payloads():
         if d["round_payloads"] != want or d["transport_rounds"]:
             fail(f"{d['round_payloads']} allreduces carried by rounds over the control "
                  f"connections, expected {want}: {d}")
+
+    # The same bits whether a round carried the tensor or the data path reduced it: a round adds
+    # the ranks' copies in rank order, as the shared-memory path adds its slots. Fractional
+    # inputs, so the order of the additions shows in the last bits.
+    compared = shm_steps = 0
+    for k in range(3):
+        g = torch.Generator().manual_seed(50 + 7 * rank + k)
+        x, y = torch.randn(300, generator=g), torch.randn(7, generator=g)
+        before = counters()
+        alone = hvd.allreduce(x, name="pl.det", op=hvd.Sum)
+        carried = counters()["round_payloads"] - before["round_payloads"]
+        before = counters()
+        pair_of = hvd.grouped_allreduce([x, y], name="pl.detg", op=hvd.Sum)[0]
+        on_shm = counters()["shm_collectives"] > before["shm_collectives"]
+        shm_steps += on_shm
+        if on_shm and carried:
+            compared += 1
+            if not torch.equal(alone, pair_of):
+                fail(f"step {k}: a round's sum differs from the shared-memory path's: max abs "
+                     f"diff {(alone - pair_of).abs().max().item()}")
+    if basics._state.engine.comms[(0, "cpu")].agreement is None and shm_steps and not compared:
+        fail("no allreduce was carried by a round next to the shared-memory path to compare")
 
     # Crossed submission orders: each rank's first round offers another tensor, so the tags
     # differ and no payload may be used; the next round releases both through the transport.
