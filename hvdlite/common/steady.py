@@ -64,8 +64,8 @@ The protocol, per process set (every rank of the set runs it; rank 0 is not spec
    decide alike.
    A round over the control connections carries one the same way: a rank whose only pending
    tensor is such an allreduce, with N x its elements at most 2 x PEER_INLINE_FLOATS
-   (protocol.py; no message carries more than PEER_INLINE_FLOATS), adds ``(tag, payload)`` to
-   its "K" messages. Each step of the recursive doubling gathers the payloads when both sides
+   (protocol.py; a step's message carries at most PEER_INLINE_FLOATS of them, the result sent
+   to an extra rank all N copies), adds ``(tag, payload)`` to its "K" messages. Each step of the recursive doubling gathers the payloads when both sides
    carry the same tag (combine), so every rank ends the round with every rank's payload, adds
    them in rank order (payload_sum: the same bits as the shared-memory data path, on every
    rank) and finishes the allreduce from there (engine.Engine._round_done). A step where a side
