@@ -70,9 +70,9 @@ The protocol, per process set (every rank of the set runs it; rank 0 is not spec
    them in rank order (payload_sum: the same bits as the shared-memory data path, on every
    rank) and finishes the allreduce from there (engine.Engine._round_done). A step where a side
    carries another tag, or none, drops the payloads for the rest of the round, on every rank.
-   (On gloo's TCP path with 3 or more ranks, gloo adds in its own order, so a float sum there
-   may differ in the last bit between a round's copy and gloo's, as it does between a fused
-   and a lone tensor.) On 2 gloo ranks without shared memory, a 4 KiB allreduce took ~1.7 ms
+   (Where gloo's TCP or MPI moves the data of 3 or more ranks, the transport adds in its own
+   order, so a float sum there may differ in the last bit between a round's copy and the
+   transport's, as it does between a fused and a lone tensor.) On 2 gloo ranks without shared memory, a 4 KiB allreduce took ~1.7 ms
    as a round and a gloo call here, ~0.25-0.4 ms as the round alone; 64 KiB ~1.9 ms and
    ~0.3-0.5 ms.
    HVDLITE_STEADY_ROUNDS=peers keeps the messages.
