@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from hvdlite.common.steady import Round, payload_sum
+from hvdlite.common.steady import Round, payload_sum, value_from_wire, value_to_wire
 
 
 def _run(n: int, values: list, seed: int) -> tuple[list, list]:
@@ -70,6 +70,8 @@ def test_a_round_carries_one_payload_summed_alike_on_every_rank(n):
         for r in results:
             assert sorted(r[3]) == list(range(n)), (n, trial)
             assert payload_sum(r[3]).tobytes() == want.tobytes(), (n, trial)
+            back = value_from_wire(value_to_wire(r))     # what a "K" message carries
+            assert back[:3] == r[:3] and payload_sum(back[3]).tobytes() == want.tobytes()
         odd = rng.randrange(n)
         for other in [(values[odd][0], False), values[odd][:2] + (9, arrays[odd])]:
             mixed = list(values)

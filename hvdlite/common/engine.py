@@ -32,8 +32,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
-
 from . import collectives, rendezvous
 from .exceptions import HorovodInternalError, HorovodMismatchError
 from .flight_recorder import RECORDER, dump, dump_async
@@ -45,7 +43,7 @@ from .protocol import PEER_INLINE_FLOATS, Item, Msg
 from .response_cache import RankCache
 from .buckets import BucketPlanner
 from .steady import (STEADY_MSG, RoundWaiter, SteadySet, TransportRound, build_responses,
-                     gone_message, payload_sum)
+                     gone_message, payload_sum, value_from_wire, value_to_wire)
 from .wire import Channel, ProtocolError, peer_name
 
 log = logging.getLogger(__name__)
@@ -1155,9 +1153,7 @@ class Engine:
             if payload is None:
                 tag = -1
         rnd = st.start_round(lambda idx, k, step, value: self._peer_send(
-            st.ranks[idx], (STEADY_MSG, st.set_id, st.epoch, k, step, value[0], value[1])
-            + (() if len(value) == 2 else
-               (value[2], tuple((r, p.tobytes()) for r, p in value[3].items())))),
+            st.ranks[idx], (STEADY_MSG, st.set_id, st.epoch, k, step) + value_to_wire(value)),
             time.monotonic(), tag, payload)
         self.counters["steady_rounds"] += 1
         if self._closed is not None:
@@ -1198,12 +1194,7 @@ class Engine:
             if epoch > self.epochs.get(sid, 0):      # a peer saw "D" before this rank did
                 self._early.setdefault((sid, epoch), []).append(msg)
             return
-        if len(msg) == 7:
-            value = msg[5:]
-        else:                                        # a round carrying one small allreduce
-            bits, flag, tag, parts = msg[5:]
-            value = (bits, flag, tag, {r: np.frombuffer(p, dtype=np.float32) for r, p in parts})
-        st.offer(k, step, value)
+        st.offer(k, step, value_from_wire(msg[5:]))
         if st.round is not None and k == st.round_no:
             self._advance(st, st.round)
 

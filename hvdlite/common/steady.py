@@ -65,16 +65,17 @@ The protocol, per process set (every rank of the set runs it; rank 0 is not spec
    A round over the control connections carries one the same way: a rank whose only pending
    tensor is such an allreduce, with N x its elements at most 2 x PEER_INLINE_FLOATS
    (protocol.py; a step's message carries at most PEER_INLINE_FLOATS of them, the result sent
-   to an extra rank all N copies), adds ``(tag, payload)`` to its "K" messages. Each step of the recursive doubling gathers the payloads when both sides
+   to an extra rank all N copies), adds ``(tag, payload)`` to its "K" messages
+   (value_to_wire). Each step of the recursive doubling gathers the payloads when both sides
    carry the same tag (combine), so every rank ends the round with every rank's payload, adds
    them in rank order (payload_sum: the same bits as the shared-memory data path, on every
    rank) and finishes the allreduce from there (engine.Engine._round_done). A step where a side
    carries another tag, or none, drops the payloads for the rest of the round, on every rank.
    (Where gloo's TCP or MPI moves the data of 3 or more ranks, the transport adds in its own
    order, so a float sum there may differ in the last bit between a round's copy and the
-   transport's, as it does between a fused and a lone tensor.) On 2 gloo ranks without shared memory, a 4 KiB allreduce took ~1.7 ms
-   as a round and a gloo call here, ~0.25-0.4 ms as the round alone; 64 KiB ~1.9 ms and
-   ~0.3-0.5 ms.
+   transport's, as it does between a fused and a lone tensor.) On 2 gloo ranks without shared
+   memory, a 4 KiB allreduce took ~1.7 ms as a round and a gloo call here, ~0.25-0.4 ms as the
+   round alone; 64 KiB ~1.9 ms and ~0.3-0.5 ms.
    HVDLITE_STEADY_ROUNDS=peers keeps the messages.
 3. Release. Every rank releases the common bits of the round, in ascending bit order, fused
    exactly as the coordinator fuses (fusion.fuse_responses with the configured threshold), from
@@ -154,6 +155,22 @@ def payload_sum(parts: dict) -> np.ndarray:
         for r in range(2, len(parts)):
             out += parts[r]
     return out
+
+
+def value_to_wire(value: tuple) -> tuple:
+    """A round value as the last fields of its "K" message: ``(bits, flag)``, or with payloads
+    ``(bits, flag, tag, ((set rank, float32 bytes), ...))``. value_from_wire reads it back."""
+    if len(value) == 2:
+        return value
+    return value[0], value[1], value[2], tuple((r, p.tobytes()) for r, p in value[3].items())
+
+
+def value_from_wire(fields: tuple) -> tuple:
+    """The round value a "K" message's last fields carry (value_to_wire)."""
+    if len(fields) == 2:
+        return fields
+    bits, flag, tag, parts = fields
+    return bits, flag, tag, {r: np.frombuffer(p, dtype=np.float32) for r, p in parts}
 
 
 class Round:
