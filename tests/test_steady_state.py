@@ -122,11 +122,12 @@ def test_steady_state_one_member_set_mpi():
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("mode", ["auto", "explicit"])
-def test_one_bucket_without_a_core_to_spare(mode):
+@pytest.mark.parametrize("mode", ["auto", "explicit", "spare"])
+def test_bucket_sizes_follow_the_cores(mode):
     """Ranks pinned to one core between them send a step's CPU gradients as one bucket; sizes
-    the user set are kept (workers/steady_one_bucket.py; buckets.whole_pass_on_host's rule,
-    GPU passes included, is in test_units.py)."""
+    the user set are kept; ranks with cores to spare and shared memory send 4 MB buckets
+    (workers/steady_one_bucket.py; the rules of buckets.whole_pass_on_host and cpu_cap_on_host,
+    GPU passes included, are in test_units.py)."""
     env = {"HVDLITE_FIRST_BUCKET_MB": "1"} if mode == "explicit" else None
     Run("steady_one_bucket.py", 2, args=[mode], env=env, timeout=120).check(f"buckets_{mode}")
 

@@ -161,6 +161,45 @@ def test_bucket_sizes_follow_how_many_ranks_share_the_cores():
     assert second_pass(BucketPlanner(25 * mb, mb, False), False) == [-1, 1, 1, -1]
 
 
+def test_small_cpu_buckets_where_every_rank_has_cores_to_spare_and_shares_memory():
+    """A one-host job through shared memory whose ranks have two cores or more cuts a pass of
+    CPU tensors at 4 MiB, so transfers overlap backpropagation; over the network, with fewer
+    cores, with the user's sizes or with buckets off the cap stays; a GPU pass keeps DDP's."""
+    from hvdlite.common import basics
+    from hvdlite.common.buckets import SPARE_CORES_CAP_BYTES, BucketPlanner, cpu_cap_on_host
+    from hvdlite.common.config import Settings
+    mb = 1 << 20
+    assert SPARE_CORES_CAP_BYTES == 4 * mb
+    assert cpu_cap_on_host(25 * mb, False, 2, 16, True) == 4 * mb
+    assert cpu_cap_on_host(25 * mb, False, 2, 4, True) == 4 * mb
+    assert cpu_cap_on_host(2 * mb, False, 2, 16, True) == 2 * mb       # never larger
+    assert cpu_cap_on_host(25 * mb, False, 2, 3, True) == 25 * mb      # under 2 cores a rank
+    assert cpu_cap_on_host(25 * mb, False, 2, 2, True) == 25 * mb
+    assert cpu_cap_on_host(25 * mb, False, 2, 16, False) == 25 * mb    # over the network
+    assert cpu_cap_on_host(25 * mb, True, 2, 16, True) == 25 * mb      # the user's choice
+    assert cpu_cap_on_host(0, False, 2, 16, True) == 0                 # buckets off
+    # The MLP of benchmarks/train_step.py in backward order: one bucket for the last three
+    # gradients at DDP's cap, one each at 4 MiB; a pass with a GPU tensor keeps DDP's cut.
+    step = [("l5", 41_000), ("l4", 4 * mb), ("l3", 4 * mb), ("l2", 4 * mb), ("l1", 2 * mb)]
+
+    def buckets(plan: BucketPlanner, on_device: bool = False) -> list:
+        for name, n in step:
+            plan.observe(0, name, n, 0.0, on_device=on_device)
+        return [plan.observe(0, name, n, 1.0, on_device=on_device)[1] for name, n in step]
+
+    assert buckets(BucketPlanner(25 * mb, mb)) == [0, -1, 1, 1, -1]
+    assert buckets(BucketPlanner(25 * mb, mb, cpu_cap_bytes=4 * mb)) == [0, -1, -1, -1, -1]
+    assert buckets(BucketPlanner(25 * mb, mb, cpu_cap_bytes=4 * mb), True) == [0, -1, 1, 1, -1]
+    # What init decides, from the host's cores and the job's data path (a copy each time).
+    base = Settings()
+    spare = basics._settings_for_host(base, 2, True, cores=16)
+    assert spare.cpu_bucket_cap_bytes == 4 * mb and not spare.cpu_whole_pass
+    assert base.cpu_bucket_cap_bytes is None
+    assert basics._settings_for_host(base, 2, False, cores=16) is base
+    tight = basics._settings_for_host(spare, 2, True, cores=2)
+    assert tight.cpu_whole_pass and tight.cpu_bucket_cap_bytes is None
+
+
 def test_bucket_planner_aligns_passes_to_waits_and_keeps_a_plan_per_pass_shape():
     """Learning began mid-step (g1, g0 | g3, g2, ...): without the wait boundary every bucket
     straddled two steps and never completed. A metric allreduce between steps keeps its own

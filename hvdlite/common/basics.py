@@ -18,7 +18,7 @@ from typing import Optional
 from . import buckets, config, flight_recorder, hierarchical, logs, naming, rendezvous, threads
 from .backends import mpi as mpi_backend
 from .backends import nccl as nccl_backend
-from .backends import select
+from .backends import select, shm
 from .config import Settings
 from .controller import Coordinator
 from .engine import Engine
@@ -221,7 +221,10 @@ def _join(state: "_State", ident, world, settings: Settings, dynamic: bool, stat
                                   rank=ident.rank, timeout_s=settings.gloo_timeout_s)
     if settings.hierarchical_allreduce:  # the one hook: the global set's CPU communicator
         factory = hierarchical.wrap_factory(factory, ident.rank, topo["hosts"], ident.size)
-    settings = _settings_for_host(settings, topo.get("local_size", 1))
+    local_size = topo.get("local_size", 1)
+    shared_memory = 1 < ident.size == local_size and \
+        (transport == "mpi" or (transport == "gloo" and shm.mode() == "on"))
+    settings = _settings_for_host(settings, local_size, shared_memory)
     state.engine = Engine(rank=ident.rank, size=ident.size, settings=settings,
                           channel=channel, comm_factory=factory, set_ranks=set_ranks,
                           timeline=timeline, peer_listener=peer_listener, key=key,
@@ -229,19 +232,29 @@ def _join(state: "_State", ident, world, settings: Settings, dynamic: bool, stat
     state.transport = transport
 
 
-def _settings_for_host(settings: Settings, local_ranks: int) -> Settings:
+def _settings_for_host(settings: Settings, local_ranks: int, shared_memory: bool,
+                       cores: int | None = None) -> Settings:
     """The engine's settings on this host: buckets follow how many ranks share its cores
-    (buckets.whole_pass_on_host says why). A copy, so an elastic re-init decides afresh."""
-    cores = threads.usable_cores()
+    (buckets.whole_pass_on_host and cpu_cap_on_host say why); `shared_memory`: the job is on
+    this host alone and its data moves through shared memory. A copy, so an elastic re-init
+    decides afresh."""
+    cores = threads.usable_cores() if cores is None else cores
     whole = buckets.whole_pass_on_host(settings.bucket_cap_bytes, settings.buckets_explicit,
                                        local_ranks, cores)
-    if whole == settings.cpu_whole_pass:
+    cap = buckets.cpu_cap_on_host(settings.bucket_cap_bytes, settings.buckets_explicit,
+                                  local_ranks, cores, shared_memory)
+    cpu_cap = None if cap == settings.bucket_cap_bytes else cap
+    if whole == settings.cpu_whole_pass and cpu_cap == settings.cpu_bucket_cap_bytes:
         return settings
     if whole:
         log.info("%d ranks share %d cores on this host: a step's CPU gradients go as one bucket "
                  "(set HVDLITE_BUCKET_CAP_MB / HVDLITE_FIRST_BUCKET_MB to choose)",
                  local_ranks, cores)
-    return dataclasses.replace(settings, cpu_whole_pass=whole)
+    elif cpu_cap is not None:
+        log.info("%d ranks on %d cores, data through shared memory: CPU gradients go in buckets "
+                 "of %.0f MB (set HVDLITE_BUCKET_CAP_MB to choose)", local_ranks, cores,
+                 cpu_cap / (1 << 20))
+    return dataclasses.replace(settings, cpu_whole_pass=whole, cpu_bucket_cap_bytes=cpu_cap)
 
 
 def _share_address(ident, store, prefix: str, port, settings) -> tuple[str, int]:

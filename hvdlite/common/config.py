@@ -57,7 +57,8 @@ VARIABLES: tuple[Var, ...] = (
        "its bucket (about this many MB, in the order the last step submitted them) is complete; "
        "0 sends each as soon as every rank has it (Horovod's behaviour). With neither this nor "
        "FIRST_BUCKET_MB set, a host with no more cores than ranks sends a step's CPU "
-       "gradients as one bucket", _L),
+       "gradients as one bucket, and a one-host job through shared memory whose ranks have two "
+       "cores or more cuts them at 4 MB", _L),
     _v("FIRST_BUCKET_MB", "float", 1.0, "size of the first bucket of a step (small, so transfer "
        "starts early)", _L),
     _v("MPI_WAIT", "str", "auto", "`spin`, `yield` or `auto`: how MPI waits use the core; auto "
@@ -297,6 +298,9 @@ class Settings:
     # Set at init on a host with no core to spare per rank: a pass of CPU tensors is one
     # bucket (buckets.whole_pass_on_host).
     cpu_whole_pass: bool = False
+    # Set at init for a one-host job through shared memory whose ranks have two cores or more:
+    # the cap of a pass of CPU tensors (buckets.cpu_cap_on_host); None: bucket_cap_bytes.
+    cpu_bucket_cap_bytes: int | None = None
     stall_check_disable: bool = False
     stall_warning_s: float = 60.0
     # Horovod never shuts down on a stall (0). A silent hang is the top complaint of its users, so

@@ -327,7 +327,7 @@ class Engine:
         # Gradient buckets (buckets.py): steady-state allreduces held back until their bucket
         # is complete, as (entry, set, bucket, deadline); a waiter sets _flush.
         self.buckets = BucketPlanner(settings.bucket_cap_bytes, settings.first_bucket_bytes,
-                                     settings.cpu_whole_pass) \
+                                     settings.cpu_whole_pass, settings.cpu_bucket_cap_bytes) \
             if settings.steady_state else BucketPlanner(0, 0)
         self._held: list = []
         self._flush = False
