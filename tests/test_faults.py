@@ -347,6 +347,33 @@ def test_channel_refuses_oversized_forged_and_replayed_frames_from_the_header():
 
 
 @pytest.mark.timeout(30)
+def test_channel_on_a_drained_nonblocking_socket_reads_nothing_and_stays_open():
+    """A steady-state connection is read by a waiting caller or the background thread, and the
+    one that comes second, woken by the same bytes, finds the socket drained (engine.Engine.
+    _read_peers): feed() then returns at once, alive, instead of blocking or ending it."""
+    from hvdlite.common import wire
+
+    a, b = _tcp_pair()
+    try:
+        key = os.urandom(32)
+        sender, receiver = wire.Channel(a, key), wire.Channel(b, key)
+        b.setblocking(False)
+        assert receiver.feed() is True and receiver.messages() == []     # nothing there yet
+        sender.send(("K", 0, 1))
+        deadline = time.monotonic() + 5
+        while not receiver._buf and time.monotonic() < deadline:
+            receiver.feed()
+        assert receiver.messages() == [("K", 0, 1)]
+        assert receiver.feed() is True and receiver.messages() == []     # drained: still open
+        a.close()
+        while receiver.feed():                                          # EOF still ends it
+            assert time.monotonic() < deadline
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.timeout(30)
 def test_straggler_tracker_ratios_against_the_median_rank():
     from hvdlite.common.straggler import Tracker
 

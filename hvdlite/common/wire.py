@@ -68,7 +68,10 @@ class Channel:
 
     def feed(self) -> bool:
         """Read what the socket has (one recv). Returns False on EOF."""
-        data = self.sock.recv(1 << 20)
+        try:
+            data = self.sock.recv(1 << 20)
+        except BlockingIOError:          # a non-blocking socket another thread drained
+            return True
         if not data:
             return False
         self._buf += data

@@ -299,6 +299,10 @@ def payloads():
         if d["round_payloads"] != want or d["transport_rounds"]:
             fail(f"{d['round_payloads']} allreduces carried by rounds over the control "
                  f"connections, expected {want}: {d}")
+        # A synchronous caller reads its round's answer itself (engine.Engine._read_peers),
+        # within a window: most of these 96 calls' rounds, never none of them.
+        if not d["caller_reads"]:
+            fail(f"no waiting caller read its round over the control connections: {d}")
 
     # The same bits whether a round carried the tensor or the data path reduced it: a round adds
     # the ranks' copies in rank order, as the shared-memory path adds its slots. Fractional
