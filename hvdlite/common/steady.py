@@ -44,7 +44,10 @@ The protocol, per process set (every rank of the set runs it; rank 0 is not spec
    and every rank leaves the round at almost the same moment. A caller whose tensors are all
    its rank has in flight (one call, or a step's gradients submitted together) runs the round
    itself, and, where MPI waits may spin, their collective too (engine.Engine._drive_inline); a
-   round nobody spins on is polled by a RoundWaiter thread.
+   round nobody spins on is polled by a RoundWaiter thread. Over the control connections such
+   a caller sends the round's messages itself and, once it waits, reads the peers' answer on
+   its own thread for up to 2 ms (engine.Engine._read_peers) before leaving it to the
+   background thread; the messages and their order are the same either way.
    The express lane (engine.Engine.express and _express) is the same round and release in
    one straight line, for the commonest case: a blocking allreduce of one cached tensor with
    nothing else in flight (ops.allreduce_now). It offers the same bits in the same round, so a
