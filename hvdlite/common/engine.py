@@ -542,8 +542,10 @@ class Engine:
                 or not self._drive.acquire(False):
             return
         try:
-            chans = {k.fd: k.data for k in self._sel.get_map().values()
-                     if isinstance(k.data, Channel)}
+            mapping = self._sel.get_map()        # None once the engine has closed its selector
+            if mapping is None or self._closed is not None:
+                return
+            chans = {k.fd: k.data for k in mapping.values() if isinstance(k.data, Channel)}
             poller = select.poll()
             for fd in chans:
                 poller.register(fd, select.POLLIN)
@@ -555,9 +557,11 @@ class Engine:
                     return
                 for fd, _ in poller.poll(left * 1000.0):
                     ch = chans[fd]
-                    if ch.sock.fileno() == fd:          # not closed meanwhile
-                        self.counters["caller_reads"] += 1
-                        self._on_peer_readable(ch)
+                    if ch.sock.fileno() != fd:          # closed meanwhile (EOF): no more polls
+                        poller.unregister(fd)
+                        continue
+                    self.counters["caller_reads"] += 1
+                    self._on_peer_readable(ch)
         finally:
             self._drive.release()
 
