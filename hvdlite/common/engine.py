@@ -530,12 +530,12 @@ class Engine:
         outnumber cores, 464-519 us against 639-714 (4 runs each). With the round's messages
         sent by the caller too (_drive_inline). The 4-rank training step on 2 cores did not
         move (MLP 0.70 / 0.71 against 0.71 / 0.69, CNN 0.83 / 0.85 against 0.84 / 0.84 x DDP).
-        The inbound connections are
-        non-blocking, so the background thread, woken by the same bytes, finds nothing left
-        when it gets the drive lock. Drive lock held for the whole window; polling sleeps in
-        poll(), it does not spin. Past the window, or once the round is over (its collective
-        then runs on the transport, or already finished in the round), the caller blocks on
-        the handle as before."""
+
+        The inbound connections are non-blocking, so the background thread, woken by the same
+        bytes, finds nothing left when it gets the drive lock. Drive lock held for the whole
+        window; polling sleeps in poll(), it does not spin. Past the window, or once the round
+        is over (its collective then runs on the transport, or already finished in the round),
+        the caller blocks on the handle as before."""
         entries = handle.entries
         st = self.steady.get(entries[0].request.process_set_id) if entries else None
         if st is None or st.agreement is not None or len(st.ranks) == 1 \
