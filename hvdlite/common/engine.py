@@ -470,7 +470,7 @@ class Engine:
         if len(go) > 1 and any(e.request.process_set_id != sid for e in go):
             return None
         st = self.steady.get(sid)
-        if st is None or (not peers and st.agreement is None and len(st.ranks) > 1) \
+        if st is None or (not peers and st.over_peers) \
                 or st.round is not None \
                 or st.pending or st.held or st.fallback or st.gone is not None:
             return None
@@ -495,7 +495,7 @@ class Engine:
                     comm = self.comms.get((st.set_id, "cpu"))
                     spin_s = getattr(comm, "inline_poll_s", 0.0)
                     e = go[0]
-                    if st.agreement is None and len(st.ranks) > 1:
+                    if st.over_peers:
                         self._steady_kick(st)         # the answer is read at the wait
                     elif len(go) == 1 and e.sent_bit >= 0 and self._express_ok(e, comm):
                         self._express(st, e, comm, spin_s)
@@ -538,8 +538,7 @@ class Engine:
         the caller blocks on the handle as before."""
         entries = handle.entries
         st = self.steady.get(entries[0].request.process_set_id) if entries else None
-        if st is None or st.agreement is not None or len(st.ranks) == 1 \
-                or not self._drive.acquire(False):
+        if st is None or not st.over_peers or not self._drive.acquire(False):
             return
         try:
             mapping = self._sel.get_map()        # None once the engine has closed its selector
@@ -1225,8 +1224,7 @@ class Engine:
             self._steady_fail_gone(st, st.gone)
             return
         tag, payload = -1, None
-        if st.agreement is None and len(st.pending) == 1 and not st.fallback \
-                and len(st.ranks) > 1:
+        if st.over_peers and len(st.pending) == 1 and not st.fallback:
             tag, e = next(iter(st.pending.items()))
             if self._express_ok(e, self.comms.get((st.set_id, "cpu"))):
                 payload = self.executor.inline_array(

@@ -361,6 +361,13 @@ class SteadySet:
     def wants_round(self) -> bool:
         return self.round is None and (bool(self.pending) or self.fallback)
 
+    @property
+    def over_peers(self) -> bool:
+        """Whether this set's rounds are messages over the control connections (Round): no
+        transport agreement, and members to exchange them with. A one-member set's round ends
+        at once; a transport's is a TransportRound."""
+        return self.agreement is None and len(self.ranks) > 1
+
     def start_round(self, send: Callable[[int, Any, tuple], None], now: float,
                     tag: int = -1, payload=None) -> Round:
         """Start round `round_no` offering every pending bit. `tag` >= 0: the caller put that
