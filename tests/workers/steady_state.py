@@ -265,8 +265,9 @@ def buckets():
 def payloads():
     """Over the control connections, a round whose only tensor is a small float32 allreduce
     carries it (steady.py, point 2): every rank gathers every rank's copy in the round, adds
-    them in rank order, and no gloo call is made. Larger, float64 and integer tensors take the transport as before; results are
-    exact either way (integer-valued inputs), on 3 ranks (a pre/post step in each round)."""
+    them in rank order, and no gloo call is made. Larger, float64 and integer tensors take the
+    transport as before; results are exact either way (integer-valued inputs), on 3 ranks (a
+    pre/post step in each round)."""
     most = 2 * PEER_INLINE_FLOATS // size      # the largest tensor a round carries on N ranks
     cases = [  # name, shape, dtype, keyword arguments, carried in the round
         ("pl.sum", (5,), torch.float32, {"op": hvd.Sum}, True),
