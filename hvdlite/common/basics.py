@@ -395,8 +395,10 @@ def engine_counters() -> dict:
     `in_place_members`: members of fused allreduces that MPI reduced in place,
     `in_place_sequences`: fused allreduces whose in-place members MPI ran as one chain, and
     `staged_allreduces`: GPU allreduces moved through page-locked host memory in one copy each
-    way (a host transport serving CUDA tensors), and `caller_reads`: control connections read
-    by a waiting caller instead of the background thread (engine.Engine._read_peers)."""
+    way (a host transport serving CUDA tensors), `caller_reads`: control connections read
+    by a waiting caller instead of the background thread (engine.Engine._read_peers), and
+    `caller_finished`: express-lane collectives that their caller saw to the end itself,
+    without the finisher thread (engine.Engine._express)."""
     engine = _require().engine
     counters = dict(engine.counters)
     counters["in_place_members"] = engine.executor.in_place_members

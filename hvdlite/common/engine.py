@@ -345,7 +345,7 @@ class Engine:
                          "steady_groups": 0,
                          "steady_fallbacks": 0, "bounced": 0, "peer_messages": 0,
                          "transport_rounds": 0, "inline_driven": 0, "express": 0,
-                         "round_payloads": 0, "caller_reads": 0}
+                         "round_payloads": 0, "caller_reads": 0, "caller_finished": 0}
         self.thread = threading.Thread(target=self._run, name="hvdlite-background", daemon=True)
         self.finisher = threading.Thread(target=self._finish_loop, name="hvdlite-finisher",
                                          daemon=True)
@@ -671,11 +671,14 @@ class Engine:
         returned. Otherwise `e` was enqueued as usual and None is returned.
 
         Polling: a small collective is polled for `spin_s`, as _poll_inline says. A detached
-        entry's caller blocks until the result is in, so a larger collective is polled for up
-        to BLOCKING_POLL_S too (16 MiB take ~3 ms on MPI through shared memory): handing it to
-        the finisher cost a thread wake-up before its wait started and another back to the
+        entry's caller blocks until the result is in, so its collective, of any size, is polled
+        for up to BLOCKING_POLL_S (16 MiB take ~3 ms on MPI through shared memory): handing it
+        to the finisher cost a thread wake-up before its wait started and another back to the
         caller after it ended, ~100 us of a 16 MiB allreduce with the caches cold from the
-        transfer (0.91 of raw MPI's bandwidth, against 0.95 asked). Past that window the
+        transfer (0.91 of raw MPI's bandwidth, against 0.95 asked). That holds for the sizes up
+        to INLINE_POLL_BYTES as well: a 1 MiB allreduce takes ~300 us on 2 MPI ranks, longer
+        than `spin_s`, and every one of them went to the finisher (435 against raw MPI's ~300 us
+        a call, where polling on gives ~320). Past that window the
         finisher takes it over as before, so a slow or dead peer holds the caller (and the
         drive lock) at most that long here. The round is polled as long for a detached entry,
         for the same reason: a peer more than `spin_s` late (one still copying the previous
@@ -743,9 +746,8 @@ class Engine:
         try:
             gen = self.executor.allreduce(comm, resp, [e.tensor], [e.output])
             work = next(gen)
-            small = e.request.nbytes() <= INLINE_POLL_BYTES
-            if spin_s and (small or detached):
-                work = self._poll_inline(gen, work, spin_s if small else BLOCKING_POLL_S)
+            if spin_s and (detached or e.request.nbytes() <= INLINE_POLL_BYTES):
+                work = self._poll_inline(gen, work, BLOCKING_POLL_S if detached else spin_s)
                 if work is None:
                     return self._express_done(seq, resp, e, detached)
         except StopIteration:
@@ -776,6 +778,7 @@ class Engine:
             e.handle._complete_one()
 
     def _express_done(self, seq: int, resp: Response, e: Entry, detached: bool):
+        self.counters["caller_finished"] += 1
         if not detached:
             self._done(seq, resp, None)
             return None

@@ -21,6 +21,8 @@ shared memory the collective runs there too, ShmChannel._submit). Checks:
 - large: a synchronous 2.4 MB allreduce takes the express lane too; its caller polls the
   transfer to the end (engine.BLOCKING_POLL_S), or, with that window set to 0 (a transfer that
   outlasts it), the finisher thread finishes it;
+- mid: a synchronous 1 MiB allreduce whose transfer outlasts the spin window is polled to the
+  end by its caller too (engine.BLOCKING_POLL_S), not handed to the finisher;
 - late_peer: a blocking caller whose peer arrives 50 ms late polls its round past the spin
   window (engine.BLOCKING_POLL_S) and still takes the express lane;
 - busy_engine: a blocking caller that finds another thread holding the engine for a moment
@@ -311,6 +313,32 @@ def batch():
         fail(f"batches not driven by their caller: {d}")
 
 
+def mid():
+    """A synchronous allreduce of INLINE_POLL_BYTES (1 MiB) whose transfer outlasts the spin
+    window (cut to 1 us here; ~300 us on 2 MPI ranks outlasted the default 250 us): its
+    blocking caller still polls it to the end (engine.BLOCKING_POLL_S covers a blocking call of
+    any size), with no hand-off to the finisher thread. On gloo the shared-memory channel runs
+    it on the caller's thread (its own window is kept long)."""
+    n = engine.INLINE_POLL_BYTES // 4
+    xs = {k: gen(rank, (n,), torch.float32, salt=("M", k)) for k in range(70, 80)}
+    want = {k: sum(gen(r, (n,), torch.float32, salt=("M", k)) for r in range(size)) for k in xs}
+    got = {}
+
+    def step(k: int) -> None:
+        got[k] = hvd.allreduce(xs[k], name="r.mid", op=hvd.Sum)
+
+    with long_spin(), engine_windows(BLOCKING_POLL_S=2.0):
+        comm.inline_poll_s = 1e-6
+        d = steady_delta(step, range(70, 73), range(73, 80))
+    for k in xs:
+        same(got[k], want[k], f"mid {k}")
+    if d["steady_released"] != 7 or d["coordinator_messages"]:
+        fail(f"1 MiB synchronous allreduces left the steady state: {d}")
+    if d["express"] < 4 or d["caller_finished"] != d["express"]:
+        fail(f"1 MiB synchronous allreduces on the express lane went to the finisher thread "
+             f"({d['caller_finished']} of {d['express']} finished by their caller): {d}")
+
+
 def changed_shape():
     shape_mismatch("r.sum")
     entered = counters()["steady_entered"]
@@ -452,6 +480,7 @@ if payloads:
 check("late_peer", late_peer)
 check("busy_engine", busy_engine)
 check("batch", batch)
+check("mid", mid)
 print("COUNTERS", counters(), flush=True)
 finish()
 hvd.shutdown()
