@@ -317,3 +317,31 @@ def test_claimed_site_names_a_blocking_call_by_its_line():
         assert again == first                           # released on the way out
     with naming.claimed_site("allreduce", wanted=False) as unwanted:
         assert unwanted is None
+
+
+def test_arith_folds_in_rank_order_and_truncates_integers_on_every_path():
+    """arith.reduce_in_order adds the ranks' parts in rank order for torch and numpy alike (the
+    shared-memory path, its rounds' payloads and the control connections' payloads use it, so
+    every path gives the same bits); scale_ and copy_scaled truncate integers as Horovod does,
+    and copy_scaled never writes its source (memory other ranks still read)."""
+    import numpy as np
+
+    from hvdlite.common.arith import copy_scaled, reduce_in_order, scale_
+    # float32: (1e8 + 1) - 1e8 is 0 (1e8 + 1 rounds to 1e8), (1e8 - 1e8) + 1 is 1.
+    parts = [torch.tensor([1e8, 2.0]), torch.tensor([1.0, 3.0]), torch.tensor([-1e8, 4.0])]
+    out = torch.empty(2)
+    assert reduce_in_order(torch.add, parts, out) is out and out.tolist() == [0.0, 9.0]
+    other = [parts[0], parts[2], parts[1]]
+    assert reduce_in_order(torch.add, other, torch.empty(2)).tolist() == [1.0, 9.0]
+    arrays = [p.numpy() for p in parts]
+    assert reduce_in_order(np.add, arrays, np.empty(2, np.float32)).tolist() == [0.0, 9.0]
+    assert reduce_in_order(torch.maximum, parts, torch.empty(2)).tolist() == [1e8, 4.0]
+    ints = torch.tensor([3, -3, 7])
+    scale_(ints, 0.5)
+    assert ints.tolist() == [1, -1, 3]
+    src, dst = torch.tensor([5, 9]), torch.empty(2, dtype=torch.int64)
+    copy_scaled(dst, src, 0.5)
+    assert dst.tolist() == [2, 4] and src.tolist() == [5, 9]
+    fsrc, fdst = torch.tensor([1.0, 3.0]), torch.empty(2)
+    copy_scaled(fdst, fsrc, 0.25)
+    assert fdst.tolist() == [0.25, 0.75] and fsrc.tolist() == [1.0, 3.0]

@@ -21,6 +21,7 @@ import torch
 from . import adasum as _adasum
 from .messages import (ADASUM, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BROADCAST,
                        REDUCESCATTER, SUM, Response)
+from .arith import scale_
 
 DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
           "int64": torch.int64, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -141,16 +142,6 @@ def unpack(buf: torch.Tensor, outputs: list, counts: list[int], scale: float = 1
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
-
-
-def scale_(t: torch.Tensor, factor: float) -> None:
-    """In-place multiply that also works for integer tensors (truncating, as Horovod does)."""
-    if factor == 1.0:
-        return
-    if t.is_floating_point():
-        t.mul_(factor)
-    else:
-        t.copy_((t.to(torch.float64) * factor).to(t.dtype))
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -123,6 +123,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .arith import reduce_in_order
 from .fusion import fuse_responses
 from .messages import Response
 from .protocol import Msg
@@ -151,13 +152,11 @@ def combine(a: tuple, b: tuple) -> tuple:
 
 
 def payload_sum(parts: dict) -> np.ndarray:
-    """The sum of a round's gathered payloads (combine), added in rank order: ((p0 + p1) + p2)
-    ..., as backends/shm.py adds its slots. A new array."""
+    """The sum of a round's gathered payloads (combine), added in rank order
+    (arith.reduce_in_order, as backends/shm.py adds its slots). A new array."""
     with np.errstate(all="ignore"):      # inf and nan are results here, as on the transport
-        out = parts[0] + parts[1]
-        for r in range(2, len(parts)):
-            out += parts[r]
-    return out
+        return reduce_in_order(np.add, [parts[r] for r in range(len(parts))],
+                               np.empty_like(parts[0]))
 
 
 def value_to_wire(value: tuple) -> tuple:

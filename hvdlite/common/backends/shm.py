@@ -64,6 +64,7 @@ from .. import config
 from ..threads import local_ranks, usable_cores
 from ..messages import MAX, MIN, PRODUCT, SUM
 from ..protocol import INLINE_FLOATS    # a round's payload (ShmAgreement)
+from ..arith import copy_scaled, reduce_in_order, scale_
 
 log = logging.getLogger(__name__)
 
@@ -292,12 +293,8 @@ class ShmAgreementRequest:
         """The carried allreduce (once `inline` >= 0): the ranks' payloads summed in rank order,
         the same bits on every rank."""
         ag, p = self.agreement, self.k & 1
-        views = [ag._payloads[r][p] for r in range(len(ag._words))]
-        out = ag._sum
-        torch.add(views[0], views[1], out=out)
-        for v in views[2:]:
-            out.add_(v)
-        return out
+        return reduce_in_order(torch.add, [ag._payloads[r][p] for r in range(len(ag._words))],
+                               ag._sum)
 
 
 class ShmChannel:
@@ -589,20 +586,17 @@ class ShmChannel:
             else:
                 for i, a, b in _pieces(offsets, lo, lo + m):
                     mine[a - lo:b - lo].copy_(ins[i][a - offsets[i]:b - offsets[i]])
-            _scale(mine, pre)
+            scale_(mine, pre)
             yield self._publish(), "allreduce (inputs)"
             a, b = rank * m // size, (rank + 1) * m // size
             if b > a:
-                res = self._view(-1, m * item, dtype)[a:b]
-                fn(self._view(0, m * item, dtype)[a:b], self._view(1, m * item, dtype)[a:b],
-                   out=res)
-                for r in range(2, size):
-                    fn(res, self._view(r, m * item, dtype)[a:b], out=res)
+                reduce_in_order(fn, [self._view(r, m * item, dtype)[a:b] for r in range(size)],
+                                self._view(-1, m * item, dtype)[a:b])
             yield self._publish(), "allreduce (reduction)"
             res = self._view(-1, m * item, dtype)
             for i, a, b in _pieces(offsets, lo, lo + m):
                 if outs[i] is not None:
-                    _copy_scaled(outs[i][a - offsets[i]:b - offsets[i]], res[a - lo:b - lo], post)
+                    copy_scaled(outs[i][a - offsets[i]:b - offsets[i]], res[a - lo:b - lo], post)
             self._end_chunk()
 
     def _allreduce_direct(self, ins: list, outs: list, fn: Callable, pre: float, post: float,
@@ -615,15 +609,13 @@ class ShmChannel:
         yield self._end, "allreduce"          # peers finished the previous chunk
         mine = self._view(rank, n * item, dtype)
         torch.cat(ins, out=mine) if len(ins) > 1 else mine.copy_(ins[0])
-        _scale(mine, pre)
+        scale_(mine, pre)
         yield self._publish(), "allreduce (inputs)"
         one = len(outs) == 1 and outs[0] is not None
         dst = outs[0] if one else torch.empty(n, dtype=dtype)
-        fn(self._view(0, n * item, dtype), self._view(1, n * item, dtype), out=dst)
-        for r in range(2, size):
-            fn(dst, self._view(r, n * item, dtype), out=dst)
+        reduce_in_order(fn, [self._view(r, n * item, dtype) for r in range(size)], dst)
         self._end_chunk()
-        _scale(dst, post)
+        scale_(dst, post)
         if not one:
             for i, a, b in _pieces(offsets, 0, n):
                 if outs[i] is not None:
@@ -689,27 +681,6 @@ def _pieces(offsets: list[int], lo: int, hi: int):
         if b > a:
             yield i, a, b
         i += 1
-
-
-def _scale(t: torch.Tensor, factor: float) -> None:
-    """In place, truncating for integers as Horovod does (collectives.scale_'s rule)."""
-    if factor == 1.0:
-        return
-    if t.is_floating_point():
-        t.mul_(factor)
-    else:
-        t.copy_((t.to(torch.float64) * factor).to(t.dtype))
-
-
-def _copy_scaled(dst: torch.Tensor, src: torch.Tensor, factor: float) -> None:
-    """dst = src * factor in one pass for floats; src (shared) is never written."""
-    if factor == 1.0:
-        dst.copy_(src)
-    elif dst.is_floating_point():
-        torch.mul(src, factor, out=dst)
-    else:
-        dst.copy_(src)
-        _scale(dst, factor)
 
 
 def _alive(pid: int) -> bool:

@@ -1,0 +1,46 @@
+"""The arithmetic every data path must do alike: scale factors, and sums in rank order.
+
+Why one module: the executor (collectives.py), the shared-memory channel (backends/shm.py),
+which reduces in its segment and copies results straight out of it, and the steady state's
+rounds that carry a small tensor (steady.py, shm.ShmAgreement) all compute results that must
+be bit-identical on every rank and whichever path carried a tensor: integers truncate as
+Horovod does, and the ranks' contributions are added in rank order."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+
+def scale_(t: torch.Tensor, factor: float) -> None:
+    """In-place multiply that also works for integer tensors (truncating, as Horovod does)."""
+    if factor == 1.0:
+        return
+    if t.is_floating_point():
+        t.mul_(factor)
+    else:
+        t.copy_((t.to(torch.float64) * factor).to(t.dtype))
+
+
+def copy_scaled(dst: torch.Tensor, src: torch.Tensor, factor: float) -> None:
+    """dst = src * factor, in one pass for floats; `src` is never written (it may be memory
+    that other ranks still read)."""
+    if factor == 1.0:
+        dst.copy_(src)
+    elif dst.is_floating_point():
+        torch.mul(src, factor, out=dst)
+    else:
+        dst.copy_(src)
+        scale_(dst, factor)
+
+
+def reduce_in_order(fn: Callable, parts: Sequence, out):
+    """out = fn(...fn(fn(parts[0], parts[1]), parts[2])..., parts[-1]), in place in `out`, and
+    returned: the ranks' contributions (two or more) combined in rank order. Floating-point
+    addition is not associative, so every path that reduces the same values must fold them in
+    this one order to give every rank the same bits. `fn` is an elementwise function with an
+    `out=` argument (torch.add, torch.minimum, numpy.add...)."""
+    fn(parts[0], parts[1], out=out)
+    for p in parts[2:]:
+        fn(out, p, out=out)
+    return out
