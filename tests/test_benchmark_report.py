@@ -1,0 +1,70 @@
+"""benchmarks/report.py's "At a glance" table: each of the engine's targets judged from the
+result files, with the limit stated where a target is missed (single process: it reads JSON)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+from util import ROOT
+
+REPORT = ROOT / "benchmarks" / "report.py"
+_spec = importlib.util.spec_from_file_location("report", REPORT)
+report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(report)
+
+
+def _step(ratio: float, serial: float, local: float) -> dict:
+    return {"hvdlite_median_ms": 100 * ratio, "ddp_median_ms": 100.0,
+            "local_median_ms": 100 * local, "serial_median_ms": 100 * serial,
+            "ratio": ratio, "ratio_min": ratio - 0.02, "ratio_max": ratio + 0.02}
+
+
+def _size(nbytes: int, hv_us: float, raw_us: float) -> dict:
+    return {"bytes": nbytes, "hvdlite_us": hv_us, "raw_us": raw_us, "ratio_bw": raw_us / hv_us,
+            "ratio_bw_min": raw_us / hv_us - 0.1, "ratio_bw_max": raw_us / hv_us + 0.1}
+
+
+def _glance(tmp_path, files: dict) -> list[str]:
+    """report.targets' rows (below the header) for result files holding `files`."""
+    for name, data in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    return report.targets(str(tmp_path))[2:]
+
+
+def test_glance_judges_each_target_and_names_the_limit_of_a_missed_one(tmp_path):
+    many = {"tensors": 100, "bytes": 1, "hvdlite_ms": 6.0, "raw_one_by_one_ms": 3.0,
+            "raw_one_buffer_ms": 2.5, "raw_one_buffer_copies_ms": 5.0, "speedup": 0.5,
+            "speedup_min": 0.4, "speedup_max": 0.6, "limit": 1.2, "limit_copies": 0.6}
+    rows = _glance(tmp_path, {
+        "train_step_gloo_np2": {"results": {"mlp": _step(0.70, 0.66, 0.40),
+                                            "cnn": _step(0.852, 0.77, 0.72),
+                                            "transformer": _step(0.97, 0.95, 0.90)}},
+        "allreduce_mpi": {"sizes": [_size(4096, 11.0, 4.0), _size(16 << 20, 3300.0, 2900.0),
+                                    _size(64 << 20, 28000.0, 27900.0)], "many_small": many},
+        "control_plane": {"tensors": 20, "hop_us": 45.0, "rows": [
+            {"ranks": 2, "coordinator": {"frames": 4, "work_us": {"median": 100}},
+             "steady": {"frames": 2, "work_us": {"median": 40}}},
+            {"ranks": 512, "coordinator": {"frames": 1024, "work_us": {"median": 10000}},
+             "steady": {"frames": 18, "work_us": {"median": 400}}}]},
+    })
+    step, small, large, fused, plane, nccl = rows
+    # 0.852 would print as 0.85, the target itself: three places show it misses.
+    assert "| 0.70 / 0.852 / 0.97 | yes / no / no |" in step
+    assert "CNN: above it in this run, over a serial floor of 0.77" in step
+    assert "transformer's serial floor 0.95" in step
+    assert "| 2.75 × (MPI) | yes |" in small
+    assert "| 0.88 / 1.00 (MPI) | no / yes |" in large and "MPI 16 MiB (spread" in large
+    assert "| 0.50 × (MPI) | no |" in fused and "only 1.20 × its one by one" in fused
+    # log2(512) / log2(2) = 9; the steady state grew 10 x: a miss, and said so.
+    assert "(× 9 from 2 to 512 ranks) | × 10.0 (the coordinator × 100.0) | no |" in plane
+    assert "| not run | blocked | needs a host with two GPUs |" in nccl
+
+
+def test_glance_from_the_committed_results_lists_every_target():
+    out = subprocess.run([sys.executable, str(REPORT)], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    table = out.split("### At a glance\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert len(table) == 2 + 12, table
+    assert all(row.count("|") == 5 for row in table), table
