@@ -1528,6 +1528,16 @@ class Engine:
                                                                    kind, device)
         return comm
 
+    @staticmethod
+    def _finish_entries(entries: list, result) -> None:
+        """Complete the submitted `entries` (None: not this rank's) of a response that carries
+        no tensor data (join, barrier, process-set changes), each with `result`."""
+        for e in entries:
+            if e is not None:
+                e.result = result
+                RECORDER.finished(e.flight)
+                e.handle._complete_one()
+
     def _execute(self, resp: Response, cached: bool = False) -> None:
         """Run one response; `cached`: built from this rank's cache, nothing new to learn."""
         set_id = resp.process_set_id
@@ -1546,20 +1556,12 @@ class Engine:
         if resp.type in (JOIN, BARRIER):
             if resp.type == JOIN:
                 self.joined = False
-            for e in entries:
-                if e is not None:
-                    e.result = resp.last_joined_rank if resp.type == JOIN else None
-                    RECORDER.finished(e.flight)
-                    e.handle._complete_one()
+            self._finish_entries(entries, resp.last_joined_rank if resp.type == JOIN else None)
             return
         if resp.type == ADD_PROCESS_SET:
             sid, ranks = resp.extra
             self.set_ranks[sid] = list(ranks)
-            for e in entries:
-                if e is not None:
-                    e.result = sid
-                    RECORDER.finished(e.flight)
-                    e.handle._complete_one()
+            self._finish_entries(entries, sid)
             return
         if resp.type == REMOVE_PROCESS_SET:
             self._wait_transport_idle()
@@ -1579,11 +1581,7 @@ class Engine:
                     e.handle._complete_one(
                         f"remove_process_set: process set {sid} still had '{e.request.name}' "
                         f"in flight on rank {self.rank}; synchronize it first.")
-            for e in entries:
-                if e is not None:
-                    e.result = sid
-                    RECORDER.finished(e.flight)
-                    e.handle._complete_one()
+            self._finish_entries(entries, sid)
             return
         if any(e is None for e in entries) and (resp.type != ALLREDUCE or not resp.joined):
             missing = [n for n, e in zip(resp.names, entries) if e is None]
