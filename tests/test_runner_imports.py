@@ -40,3 +40,16 @@ def test_runner_modules_import_no_framework():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=50, env=_env())
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.timeout(60)
+def test_steady_state_protocol_imports_no_framework():
+    """steady.py (the steady state's rounds, which benchmarks/control_plane.py drives with
+    hundreds of simulated ranks) and arith.py, whose rank-order sum it uses on numpy payloads,
+    load no framework."""
+    code = ("import sys, hvdlite.common.steady, hvdlite.common.arith\n"
+            "bad = [m for m in ('torch', 'tensorflow') if m in sys.modules]\n"
+            "assert not bad, f'the steady-state protocol imported {bad}'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=50, env=_env())
+    assert out.returncode == 0, out.stderr

@@ -4,12 +4,16 @@ Why one module: the executor (collectives.py), the shared-memory channel (backen
 which reduces in its segment and copies results straight out of it, and the steady state's
 rounds that carry a small tensor (steady.py, shm.ShmAgreement) all compute results that must
 be bit-identical on every rank and whichever path carried a tensor: integers truncate as
-Horovod does, and the ranks' contributions are added in rank order."""
+Horovod does, and the ranks' contributions are added in rank order.
+
+torch is imported only where a factor is applied: steady.py sums numpy payloads with
+reduce_in_order and, like the control-plane benchmark that drives it, loads no framework."""
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def scale_(t: torch.Tensor, factor: float) -> None:
@@ -19,7 +23,7 @@ def scale_(t: torch.Tensor, factor: float) -> None:
     if t.is_floating_point():
         t.mul_(factor)
     else:
-        t.copy_((t.to(torch.float64) * factor).to(t.dtype))
+        t.copy_((t.double() * factor).to(t.dtype))
 
 
 def copy_scaled(dst: torch.Tensor, src: torch.Tensor, factor: float) -> None:
@@ -28,6 +32,7 @@ def copy_scaled(dst: torch.Tensor, src: torch.Tensor, factor: float) -> None:
     if factor == 1.0:
         dst.copy_(src)
     elif dst.is_floating_point():
+        import torch
         torch.mul(src, factor, out=dst)
     else:
         dst.copy_(src)
