@@ -1,6 +1,7 @@
 """Markdown tables for the README from the JSON that `bash benchmarks/run_all.sh` writes.
 
-    python benchmarks/report.py [benchmarks/results]
+    python benchmarks/report.py [benchmarks/results]            # every table
+    python benchmarks/report.py [benchmarks/results] --glance   # the targets only
 
 Why: the README's figures should come from one run, copied without retyping. Every table shows
 medians over alternating rounds with the min-max spread of the per-round ratios, as the
@@ -8,6 +9,7 @@ benchmarks print them. A result file that is missing (MPI not installed, say) is
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -338,8 +340,16 @@ def keras(root: str) -> list[str]:
 
 
 def main() -> None:
-    root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(
-        os.path.abspath(__file__)), "results")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("root", nargs="?", default=os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results"), help="the result files' folder")
+    p.add_argument("--glance", action="store_true",
+                   help="print only the table of the engine's targets (run_all.sh ends with it)")
+    args = p.parse_args()
+    root = args.root
+    if args.glance:
+        print("\n".join(targets(root)))
+        return
     for title, fn in (("At a glance", targets),
                       ("Training step", train_step), ("Allreduce, 2 ranks", allreduce),
                       ("Steady-state paths", steady_paths),

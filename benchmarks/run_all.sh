@@ -50,3 +50,5 @@ echo "== a one-rank job: steady state on one member, and every call through the 
 HVDLITE_STEADY_STATE=0 "$PY" benchmarks/one_rank.py --json "$OUT/one_rank_coordinator.json"
 echo "== GPU (NCCL), or its CPU fallback without a GPU"
 PYTHON="$PY" bash benchmarks/gpu.sh "$OUT"
+echo "== the engine's targets, at a glance (python benchmarks/report.py prints every table)"
+"$PY" benchmarks/report.py "$OUT" --glance

@@ -63,8 +63,14 @@ def test_glance_judges_each_target_and_names_the_limit_of_a_missed_one(tmp_path)
 
 
 def test_glance_from_the_committed_results_lists_every_target():
+    """The whole report opens with the table; --glance (run_all.sh's last step) prints it
+    alone."""
     out = subprocess.run([sys.executable, str(REPORT)], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     table = out.split("### At a glance\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
     assert len(table) == 2 + 12, table
     assert all(row.count("|") == 5 for row in table), table
+    alone = subprocess.run([sys.executable, str(REPORT), str(ROOT / "benchmarks" / "results"),
+                            "--glance"], capture_output=True, text=True, timeout=60,
+                           check=True).stdout
+    assert alone.splitlines() == table
