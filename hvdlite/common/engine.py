@@ -676,9 +676,9 @@ class Engine:
         to the finisher cost a thread wake-up before its wait started and another back to the
         caller after it ended, ~100 us of a 16 MiB allreduce with the caches cold from the
         transfer (0.91 of raw MPI's bandwidth, against 0.95 asked). That holds for the sizes up
-        to INLINE_POLL_BYTES as well: a 1 MiB allreduce takes ~300 us on 2 MPI ranks, longer
-        than `spin_s`, and every one of them went to the finisher (435 against raw MPI's ~300 us
-        a call, where polling on gives ~320). Past that window the
+        to INLINE_POLL_BYTES as well: a 1 MiB allreduce took ~300 us on 2 MPI ranks on a loaded
+        machine, longer than `spin_s`, and every one of them went to the finisher (435 us a
+        call against raw MPI's ~300; 338 polled to the end). Past that window the
         finisher takes it over as before, so a slow or dead peer holds the caller (and the
         drive lock) at most that long here. The round is polled as long for a detached entry,
         for the same reason: a peer more than `spin_s` late (one still copying the previous
