@@ -332,13 +332,16 @@ def test_host_removed_shrinks_to_min_np_and_new_host_syncs(tmp_path, jobs):
     """Hosts are removed: the job shrinks down to --min-np without a rollback. Below --min-np
     the survivor waits; when a new host arrives, the survivor (which had no reason to sync after
     a removal) and the new worker (which must sync) agree through one collective, so the job
-    goes on: horovod#3494's deadlock cannot happen."""
+    goes on: horovod#3494's deadlock cannot happen. Each worker runs on one core, with its data
+    over TCP, so the optimizer's gradients go as one flat buffer (torch/flat_grads.py), which
+    the ranks agree on again after every reset, the new worker included."""
     total = 30
     release = tmp_path / "release"
     job = ElasticJob(tmp_path, ["localhost:1", "127.0.0.1:1", f"{HOSTNAME}:1"],
                      ["-np", "3", "--min-np", "2", "--max-np", "3", "--elastic-timeout", "90"],
                      env={**worker_env(total, hold_at=12, hold_size=2),
-                          "ELASTIC_HOLD_FILE": str(release)})
+                          "ELASTIC_HOLD_FILE": str(release), "ELASTIC_ONE_CORE": "1",
+                          "HVDLITE_SHM": "0"})
     jobs.append(job)
     job.wait_progress("localhost:0", 4, size=3)
     job.set_hosts(["localhost:1", "127.0.0.1:1"])
@@ -355,6 +358,7 @@ def test_host_removed_shrinks_to_min_np_and_new_host_syncs(tmp_path, jobs):
     result = job.result()
     check_exact(result, total)
     assert result["size"] == 2 and result["reset_sizes"] == [2, 2]
+    assert result["flat"]
     text = job.err_text()
     assert "blacklisting" not in text  # removed workers leave cleanly, they do not fail
     assert job.leftovers() == []

@@ -26,16 +26,21 @@ CHECKS = [
     "validation_errors",
     "closure_and_wrapped_optimizer_untouched",
     "recreated_optimizer",
+    "flat_gradients",
 ]
 
 
-@pytest.fixture(scope="module", params=["deferred", "per-hook"])
+@pytest.fixture(scope="module", params=["flat", "deferred", "per-hook"])
 def checks_output(request) -> Run:
     """One 2-rank launch per gradient path runs every check; each test below reads its own
-    result line. "deferred": one core per rank, so the gradients of a backward pass are
-    submitted together when it ends; "per-hook": an explicit bucket size, so each gradient is
-    submitted from its hook (the worker asserts which path the engine chose)."""
-    env = {"HVDLITE_BUCKET_CAP_MB": "25"} if request.param == "per-hook" else None
+    result line. "flat": one core per rank, so the gradients of a backward pass are reduced
+    together when it ends, and gloo over TCP, which fuses through a fusion buffer: after the
+    first step they are one flat buffer (torch/flat_grads.py); "deferred": the same through
+    shared memory, which fuses with no buffer, so each gradient stays its own allreduce,
+    submitted together; "per-hook": an explicit bucket size, so each gradient is submitted from
+    its hook (the worker asserts which path the engine chose)."""
+    env = {"flat": {"HVDLITE_SHM": "0"}, "deferred": None,
+           "per-hook": {"HVDLITE_BUCKET_CAP_MB": "25"}}[request.param]
     return Run("torch_optimizer_checks.py", np=2, args=["--path", request.param], env=env,
                timeout=100, check_exit=False)
 

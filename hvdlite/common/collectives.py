@@ -53,7 +53,7 @@ class FusionBuffer:
                 return free.pop(min(fits, key=lambda i: free[i].numel()))
         size = (max(nbytes, 1 << 16) + 63) // 64 * 64
         if device == "cpu":
-            return _host_buffer(size)
+            return host_buffer(size)
         if device == "pinned":
             return torch.empty(size, dtype=torch.uint8, pin_memory=True)
         return torch.empty(size, dtype=torch.uint8, device=device)
@@ -69,7 +69,7 @@ class FusionBuffer:
                 free.pop(min(range(len(free)), key=lambda i: free[i].numel()))
 
 
-def _host_buffer(nbytes: int) -> torch.Tensor:
+def host_buffer(nbytes: int) -> torch.Tensor:
     """A CPU fusion buffer on transparent huge pages where the kernel offers them.
 
     Why: MPI moves data between ranks through shared memory, and with 4 KiB pages the copies

@@ -61,6 +61,11 @@ VARIABLES: tuple[Var, ...] = (
        "cores or more cuts them at 4 MB", _L),
     _v("FIRST_BUCKET_MB", "float", 1.0, "size of the first bucket of a step (small, so transfer "
        "starts early)", _L),
+    _v("FLAT_GRADIENTS", "bool", True, "torch `DistributedOptimizer` where a step's CPU "
+       "gradients go as one bucket (no more cores than ranks) over MPI or TCP (not shared "
+       "memory): after the first step, keep them as views of one flat buffer per dtype, "
+       "reduced by one allreduce (the ranks agree first; 0 on any rank keeps each gradient "
+       "its own allreduce everywhere)", _L),
     _v("MPI_WAIT", "str", "auto", "`spin`, `yield` or `auto`: how MPI waits use the core; auto "
        "yields when a host runs more ranks than cores"),
     _v("SHM", "str", "auto", "`auto`, `1` or `0`: ranks of a gloo job that share a host move "

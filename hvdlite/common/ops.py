@@ -252,6 +252,21 @@ def whole_pass() -> bool:
     return _state().engine.whole_pass
 
 
+def fuses_in_place(process_set=None) -> bool:
+    """Whether this rank's transport for the set fuses CPU allreduces with no fusion buffer (gloo
+    or MPI through shared memory: backends/shm.ShmRouted), so gradients kept in one flat buffer
+    (torch/flat_grads.py) would only add a copy to a step. False before the set's first
+    collective has made its communicator.
+
+    Why a frontend asks: elsewhere (MPI on one core per rank, gloo over TCP) a fused step's
+    gradients are copied into a fusion buffer and back, or reduced with one call each, and one
+    flat buffer spares that; through shared memory the CNN of benchmarks/train_step.py measured
+    no gain from it (2 gloo ranks, three alternating runs: 27.7-31.7 ms a step against
+    27.3-28.7), the hooks' copies into the buffer costing what the fusion saved."""
+    comm = _state().engine.comms.get((set_id(process_set), "cpu"))
+    return bool(getattr(comm, "fuses_in_place", False))
+
+
 def allreduce_now(buffer: Buffer, output: Buffer, *, name: Optional[str] = None,
                   op: int = AVERAGE, prescale: float = 1.0, postscale: float = 1.0,
                   process_set=None) -> Buffer:

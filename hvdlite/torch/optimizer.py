@@ -18,7 +18,8 @@ from ..common import basics as _basics
 from ..common import ops as _ops
 from ..common.elastic import may_resize
 from .compression import Compression, NoneCompressor, drive_all, is_stateful
-from .mpi_ops import (Adasum, Average, _allreduce_batch_async, allreduce_async_,
+from .flat_grads import FlatGradients
+from .mpi_ops import (Adasum, Average, Sum, _allreduce_batch_async, allreduce_async_,
                       global_process_set, grouped_allreduce_async_, sparse_allreduce_async,
                       synchronize)
 
@@ -219,6 +220,12 @@ class _DistributedOptimizer(_HookedOptimizer):
 
         if self.process_set.included() and (_basics.size() > 1 or may_resize()):
             self._register_hooks()
+        # Gradients as views of one flat buffer where the engine sends whole passes
+        # (flat_grads.py): only for a reduction that is the same element by element over one
+        # buffer as over each gradient (no groups, no compression, Average or Sum).
+        self._flat = (FlatGradients() if self._grad_accs and groups is None
+                      and compression is NoneCompressor and op in (Average, Sum)
+                      and _graph_task_id is not None else None)
 
     def load_state_dict(self, *args, **kwargs):
         self._handles = {}
@@ -322,6 +329,8 @@ class _DistributedOptimizer(_HookedOptimizer):
 
     def _gradient_ready(self, p):
         if self._groups is None:
+            if self._flat is not None and self._flat.owns(p):
+                self._flat.gradient_ready(p)       # into its view of the flat buffer
             if self._defers(p):
                 return self._defer(p)
             return self._allreduce_grad_async(p)
@@ -372,6 +381,10 @@ class _DistributedOptimizer(_HookedOptimizer):
         """Submit the deferred gradients in one call (each its own named allreduce, in place,
         as allreduce_async_ would) and give each parameter its handle."""
         ps, self._deferred, self._deferred_task = self._deferred, [], None
+        if self._flat is not None and self._flat.active:
+            # Members of the flat buffers wait for synchronize() (flat_grads.py), keeping
+            # their _DEFERRED handles.
+            ps = [p for p in ps if not self._flat.owns(p)]
         if not ps:
             return
         tensors, ctxs = [], []
@@ -407,6 +420,8 @@ class _DistributedOptimizer(_HookedOptimizer):
 
         if self._deferred:      # a backward pass that did not reach its end (it raised)
             self._submit_deferred()
+        flat = self._flat
+        owned = flat.views if flat is not None and flat.usable() else {}
         completed = set()
         for x in self._handles.keys():
             if isinstance(x, tuple):
@@ -415,11 +430,19 @@ class _DistributedOptimizer(_HookedOptimizer):
                 completed.add(x)
         missing_p = self._requires_update - completed
         for p in missing_p:
-            self._handles[p] = self._allreduce_grad_async(p)
+            if p not in owned:
+                self._handles[p] = self._allreduce_grad_async(p)
 
         for p, (handle, ctx) in list(self._handles.items()):
-            if handle is None or handle is _DEFERRED:   # (_DEFERRED: its submission raised)
+            if p in owned:          # (not a tuple: groups never take the flat path)
+                del self._handles[p]
+            elif handle is None or handle is _DEFERRED:
+                # _DEFERRED: its submission raised, or the flat path was just left.
                 self._handles[p] = self._allreduce_grad_async(p)
+        if owned:
+            for p in owned:
+                self._allreduce_delay[p] = self.backward_passes_per_step
+            flat.reduce(self.op, *self._scale_factors(), self.process_set)
 
         drive_all([handle for handle, _ in self._handles.values()])
         for p, (handle, ctx) in self._handles.items():
@@ -440,6 +463,8 @@ class _DistributedOptimizer(_HookedOptimizer):
                         self._group_counts[group] = 0
                 self._write_back(p, self._decompress(output, ctx))
         self._handles.clear()
+        if flat is not None and flat.needs_agreement():
+            flat.agree(self._requires_update, self._wire_names, self.process_set)
         self._synchronized = True
 
     @contextmanager

@@ -21,6 +21,9 @@ Environment (all optional):
   ELASTIC_EXIT_IN_INIT  this worker ("host:slot") dies inside its first hvd.init(), once
   ELASTIC_ZERO_STAGE    DistributedOptimizer(zero_stage=...) (0); with 1 or 2 the RESULT also
                         holds the consolidated momentum buffers ("momentum")
+  ELASTIC_ONE_CORE      1: each worker runs on one core, so (one rank per host, over TCP) the
+                        optimizer keeps its gradients in one flat buffer (torch/flat_grads.py);
+                        the RESULT's "flat" says whether it did at the end
 """
 from __future__ import annotations
 
@@ -117,6 +120,8 @@ def main() -> int:
         def die(*args, **kwargs):  # a member lost while its round is in init()
             os._exit(3)
         basics._share_address = die
+    if os.environ.get("ELASTIC_ONE_CORE") == "1":
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})   # before init: whole passes
     hvd.init()
     model = make_model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM),
@@ -191,7 +196,8 @@ def main() -> int:
             "step": state.step, "trace": state.trace, "size": hvd.size(),
             "epochs": state.epochs,
             "params": {k: v.tolist() for k, v in model.state_dict().items()},
-            "reset_sizes": sizes, **extra}), flush=True)
+            "reset_sizes": sizes,
+            "flat": bool(getattr(opt, "_flat", None) and opt._flat.active), **extra}), flush=True)
     return 0
 
 

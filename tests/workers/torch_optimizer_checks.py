@@ -6,10 +6,14 @@ plain optimizer. After a few steps each rank's weights must equal the reference,
 identical on every rank. Prints one `CHECK <name> OK|FAIL` line per check and `FINISHED`
 (tests/workers/harness.py).
 
-Run twice (tests/test_torch_optimizer.py): `--path deferred` gives each rank one core, so the
-engine sends a step's gradients as one bucket and the optimizer submits them together when
-backpropagation ends; `--path per-hook` sets the bucket size explicitly (HVDLITE_BUCKET_CAP_MB),
-so every gradient is submitted from its own hook, as in Horovod. The checks are the same.
+Run three times (tests/test_torch_optimizer.py): `--path flat` gives each rank one core, so the
+engine sends a step's gradients as one bucket, and moves data over TCP (HVDLITE_SHM=0), so after
+the first step the gradients live in one flat buffer reduced by one allreduce
+(torch/flat_grads.py); `--path deferred` is the same through shared memory, which fuses with no
+fusion buffer, so the optimizer submits each gradient's own allreduce together when
+backpropagation ends; `--path per-hook` sets the bucket size explicitly
+(HVDLITE_BUCKET_CAP_MB), so every gradient is submitted from its own hook, as in Horovod. The
+checks are the same.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import sys
 import warnings
 
 PATH = sys.argv[sys.argv.index("--path") + 1]
-if PATH == "deferred":
+if PATH in ("flat", "deferred"):
     # One core per rank (before init: the engine decides its buckets from this).
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cores[int(os.environ["HOROVOD_RANK"]) % len(cores)]})
@@ -30,6 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 import hvdlite.torch as hvd  # noqa: E402
 import harness  # noqa: E402
 import hvdlite.torch.optimizer as hopt  # noqa: E402
+import hvdlite.torch.flat_grads as hflat  # noqa: E402
 from hvdlite.common import ops as hops  # noqa: E402
 
 hvd.init()
@@ -37,7 +42,10 @@ RANK, SIZE = hvd.rank(), hvd.size()
 torch.set_num_threads(1)
 N_LOCAL = 4
 STEPS = 4
-DEFERRED = PATH == "deferred"
+FLAT = PATH == "flat"
+DEFERRED = PATH in ("flat", "deferred")
+hvd.allreduce(torch.zeros(1), name="first_collective")   # (makes the set's communicator)
+assert hops.fuses_in_place() == (PATH != "flat"), (PATH, hops.fuses_in_place())
 assert hops.whole_pass() == DEFERRED, (PATH, hops.whole_pass())
 
 # Record what the optimizer hands to the collectives (names, op, scale factors, process set).
@@ -79,7 +87,42 @@ def _rec_sparse_allreduce_async(tensor, **kw):
     return _orig_sparse_allreduce_async(tensor, **kw)
 
 
+_orig_reduce_flat = hflat.reduce_flat
+
+
+def _rec_reduce_flat(buffer, name, op, prescale, postscale, process_set):
+    CALLS.append(dict(kind="flat", name=name, op=op, prescale_factor=prescale,
+                      postscale_factor=postscale, process_set=process_set, numel=buffer.numel()))
+    return _orig_reduce_flat(buffer, name, op, prescale, postscale, process_set)
+
+
+def per_param(calls):
+    """The records of per-parameter allreduces (not the flat buffers')."""
+    return [c for c in calls if c["kind"] != "flat"]
+
+
+def flat_calls(calls):
+    return [c for c in calls if c["kind"] == "flat"]
+
+
+def assert_flat(opt, model, steps_flat):
+    """On the flat path: every parameter's gradient is a view of the flat buffer, reduced by
+    one call per step after the first; elsewhere no flat call at all."""
+    flats = flat_calls(CALLS)
+    if not FLAT:
+        assert not flats and not (opt._flat and opt._flat.active), flats
+        return
+    assert opt._flat.active
+    assert len(flats) == steps_flat, flats
+    assert all(c["name"].startswith("allreduce.hvdlite.flat.float32.") for c in flats), flats
+    (name, buffer), = opt._flat.buffers
+    assert buffer.numel() == sum(p.numel() for p in model.parameters())
+    for p in model.parameters():
+        assert p.grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+
+
 hopt.allreduce_async_ = _rec_allreduce_async_
+hflat.reduce_flat = _rec_reduce_flat
 hopt._allreduce_batch_async = _rec_allreduce_batch_async
 hopt.grouped_allreduce_async_ = _rec_grouped_allreduce_async_
 hopt.sparse_allreduce_async = _rec_sparse_allreduce_async
@@ -163,15 +206,18 @@ def named_parameters_average():
         ref_opt.step()
     assert_same_as(model, ref)
     assert_identical_across_ranks(model)
-    names = {c["name"] for c in CALLS}
+    names = {c["name"] for c in per_param(CALLS)}
     assert names == {f"allreduce.{n}" for n, _ in model.named_parameters()}, names
-    assert all(c["kind"] == "allreduce" and c["op"] == hvd.Average and c["prescale_factor"] == 1.0
-               and c["postscale_factor"] == 1.0 and c["process_set"] is hvd.global_process_set
-               for c in CALLS), CALLS
-    assert len(CALLS) == STEPS * 4, len(CALLS)
-    assert all(c["deferred"] == DEFERRED for c in CALLS), (PATH, CALLS)
+    assert all(c["kind"] in ("allreduce", "flat") and c["op"] == hvd.Average
+               and c["prescale_factor"] == 1.0 and c["postscale_factor"] == 1.0
+               and c["process_set"] is hvd.global_process_set for c in CALLS), CALLS
+    # Flat: the first step per parameter (the ranks agree at its end), then one flat call.
+    steps_per_param = 1 if FLAT else STEPS
+    assert len(per_param(CALLS)) == steps_per_param * 4, len(CALLS)
+    assert all(c["deferred"] == DEFERRED for c in per_param(CALLS)), (PATH, CALLS)
     # Deferred: one submission per backward pass, when it ends, with all four gradients.
-    assert BATCHES == ([4] * STEPS if DEFERRED else []), BATCHES
+    assert BATCHES == ([4] * steps_per_param if DEFERRED else []), BATCHES
+    assert_flat(opt, model, STEPS - steps_per_param)
 
 
 @check
@@ -185,9 +231,10 @@ def default_names_and_param_groups():
     model, ref, opt = train_pair(groups, groups)
     assert_same_as(model, ref)
     assert_identical_across_ranks(model)
-    names = {c["name"] for c in CALLS}
+    names = {c["name"] for c in per_param(CALLS)}
     assert names == {"allreduce.noname.0.0", "allreduce.noname.0.1", "allreduce.noname.1.0",
                      "allreduce.noname.1.1"}, names
+    assert_flat(opt, model, STEPS - 1)
     # The user's defaults survive the wrapping (add_param_group uses them).
     assert opt.defaults["lr"] == 0.1 and opt.defaults["momentum"] == 0.5
 
@@ -207,6 +254,7 @@ def compression_fp16():
         compression=hvd.Compression.fp16))
     assert_same_as(model, ref, rtol=2e-3, atol=2e-3)
     assert_identical_across_ranks(model)
+    # (Compressed gradients never take the flat path.)
     assert CALLS and all(c["kind"] == "allreduce" for c in CALLS)
     for p in model.parameters():
         assert p.grad.dtype == torch.float32
@@ -567,8 +615,10 @@ def load_state_dict_clears():
     opt.zero_grad()
     F.mse_loss(model(local(x)), local(y)).backward()
     assert opt._handles
-    # Let the submitted allreduces finish before they are dropped.
-    handles = [h for h, _ in opt._handles.values()]
+    # Let the submitted allreduces finish before they are dropped. (On the flat path nothing
+    # is submitted before synchronize(): every handle is the placeholder of a deferred one.)
+    handles = [h for h, _ in opt._handles.values() if h is not hopt._DEFERRED]
+    assert FLAT or len(handles) == 4
     while not all(hvd.poll(h) for h in handles):
         pass
     for h in handles:
@@ -659,7 +709,88 @@ def recreated_optimizer():
         ref_opt.zero_grad()
         F.mse_loss(ref(x), y).backward()
         ref_opt.step()
-    assert len(CALLS) == STEPS * 4, len(CALLS)
+    assert len(per_param(CALLS)) == (1 if FLAT else STEPS) * 4, len(CALLS)
+    assert_flat(opt, model, STEPS - 1)
+    assert_same_as(model, ref)
+    assert_identical_across_ranks(model)
+
+
+@check
+def flat_gradients():
+    # Gradients zeroed in place (set_to_none=False) stay the flat buffer's views: backward
+    # accumulates into them and nothing is copied; set to None, a fresh gradient is copied in
+    # from its hook. Both match the reference.
+    for set_to_none in (False, True):
+        model, ref = make_model(), make_model()
+        opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+        ref_opt = sgd(ref)
+        views = None
+        for step in range(STEPS):
+            x, y = global_batch(step, salt=13)
+            opt.zero_grad(set_to_none=set_to_none)
+            F.mse_loss(model(local(x)), local(y)).backward()
+            opt.step()
+            if FLAT and step >= 1:
+                grads = [p.grad for p in model.parameters()]
+                if views is not None and not set_to_none:
+                    assert all(g is v for g, v in zip(grads, views))
+                views = grads
+            ref_opt.zero_grad()
+            F.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+        assert_same_as(model, ref)
+        assert_identical_across_ranks(model)
+        assert bool(opt._flat and opt._flat.active) == FLAT
+
+    # The ranks agree or nobody takes the flat path: rank 1 turns it off (the variable is read
+    # when the ranks agree), and then a layout that differs between the ranks.
+    def off_on_rank_1():
+        os.environ["HVDLITE_FLAT_GRADIENTS"] = "0" if RANK == 1 else "1"
+
+    def other_layout_on_rank_1():
+        os.environ.pop("HVDLITE_FLAT_GRADIENTS", None)
+        if RANK == 1:
+            hflat._digest = lambda members, names: b"\x01" * 8
+
+    real_digest, saved_env = hflat._digest, os.environ.get("HVDLITE_FLAT_GRADIENTS")
+    try:
+        for disagree in (off_on_rank_1, other_layout_on_rank_1):
+            disagree()
+            CALLS.clear()
+            model, ref, opt = train_pair(sgd, sgd, salt=14)
+            assert not opt._flat.active and not flat_calls(CALLS), disagree.__name__
+            assert len(per_param(CALLS)) == STEPS * 4, (disagree.__name__, len(CALLS))
+            assert_same_as(model, ref)
+            assert_identical_across_ranks(model)
+    finally:
+        hflat._digest = real_digest
+        if saved_env is None:
+            os.environ.pop("HVDLITE_FLAT_GRADIENTS", None)
+        else:
+            os.environ["HVDLITE_FLAT_GRADIENTS"] = saved_env
+
+    # A parameter whose dtype changes after the ranks agreed sends the step back to the
+    # per-parameter path, and the ranks agree again on the new layout at its end.
+    CALLS.clear()
+    model, ref = make_model(), make_model()
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    ref_opt = sgd(ref)
+    for step in range(STEPS + 1):
+        if step == 2:
+            model.double()
+            ref.double()
+        x, y = global_batch(step, salt=15)
+        if step >= 2:
+            x, y = x.double(), y.double()
+        opt.zero_grad()
+        F.mse_loss(model(local(x)), local(y)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    flats = [c["name"].split(".")[3] for c in flat_calls(CALLS)]
+    assert flats == (["float32", "float64", "float64"] if FLAT else []), flats
+    assert len(per_param(CALLS)) == (8 if FLAT else 20), len(CALLS)
     assert_same_as(model, ref)
     assert_identical_across_ranks(model)
 

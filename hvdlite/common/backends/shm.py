@@ -708,6 +708,12 @@ class ShmRouted:
 
     shm: Optional[ShmChannel] = None
 
+    @property
+    def fuses_in_place(self) -> bool:
+        """Whether a fused allreduce needs no fusion buffer here (allreduce_tensors: the channel
+        copies each member into its segment and the results out itself)."""
+        return self.shm is not None
+
     def allreduce(self, tensor: torch.Tensor, op: int):
         if self.shm is not None and self.shm.handles(tensor, reduce=True):
             return self.shm.allreduce(tensor, op)
