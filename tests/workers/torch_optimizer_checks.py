@@ -156,6 +156,17 @@ def assert_identical_across_ranks(model):
         assert torch.equal(gathered[r], flat), f"weights differ between rank {RANK} and {r}"
 
 
+def step_both(model, opt, ref, ref_opt, x, y, loss_fn=F.mse_loss, ref_scale=1.0):
+    """One step of the distributed model on this rank's slice and of the reference on the
+    whole batch."""
+    opt.zero_grad()
+    loss_fn(model(local(x)), local(y)).backward()
+    opt.step()
+    ref_opt.zero_grad()
+    (ref_scale * loss_fn(ref(x), y)).backward()
+    ref_opt.step()
+
+
 def train_pair(make_opt, make_ref_opt, steps=STEPS, salt=0, ref_scale=1.0, dist_kwargs=None,
                model_fn=make_model, loss_fn=F.mse_loss):
     """Train the distributed model and the reference side by side; return both."""
@@ -164,12 +175,7 @@ def train_pair(make_opt, make_ref_opt, steps=STEPS, salt=0, ref_scale=1.0, dist_
     ref_opt = make_ref_opt(ref)
     for step in range(steps):
         x, y = global_batch(step, salt)
-        opt.zero_grad()
-        loss_fn(model(local(x)), local(y)).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        (ref_scale * loss_fn(ref(x), y)).backward()
-        ref_opt.step()
+        step_both(model, opt, ref, ref_opt, x, y, loss_fn, ref_scale)
     return model, ref, opt
 
 
@@ -198,12 +204,7 @@ def named_parameters_average():
     ref_opt = sgd(ref)
     for step in range(STEPS):
         x, y = global_batch(step)
-        opt.zero_grad()
-        F.mse_loss(model(local(x)), local(y)).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        F.mse_loss(ref(x), y).backward()
-        ref_opt.step()
+        step_both(model, opt, ref, ref_opt, x, y)
     assert_same_as(model, ref)
     assert_identical_across_ranks(model)
     names = {c["name"] for c in per_param(CALLS)}
@@ -604,12 +605,7 @@ def load_state_dict_clears():
     ref_opt = sgd(ref)
     for step in range(2):
         x, y = global_batch(step, salt=9)
-        opt.zero_grad()
-        F.mse_loss(model(local(x)), local(y)).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        F.mse_loss(ref(x), y).backward()
-        ref_opt.step()
+        step_both(model, opt, ref, ref_opt, x, y)
     saved = opt.state_dict()
     x, y = global_batch(50, salt=9)
     opt.zero_grad()
@@ -634,12 +630,7 @@ def load_state_dict_clears():
                                            id(p)])]["momentum_buffer"])
     for step in range(2, 4):
         x, y = global_batch(step, salt=9)
-        opt.zero_grad()
-        F.mse_loss(model(local(x)), local(y)).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        F.mse_loss(ref(x), y).backward()
-        ref_opt.step()
+        step_both(model, opt, ref, ref_opt, x, y)
     assert_same_as(model, ref)
 
 
@@ -703,12 +694,7 @@ def recreated_optimizer():
     ref_opt = sgd(ref)
     for step in range(STEPS):
         x, y = global_batch(step, salt=12)
-        opt.zero_grad()
-        F.mse_loss(model(local(x)), local(y)).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        F.mse_loss(ref(x), y).backward()
-        ref_opt.step()
+        step_both(model, opt, ref, ref_opt, x, y)
     assert len(per_param(CALLS)) == (1 if FLAT else STEPS) * 4, len(CALLS)
     assert_flat(opt, model, STEPS - 1)
     assert_same_as(model, ref)
@@ -782,12 +768,7 @@ def flat_gradients():
         x, y = global_batch(step, salt=15)
         if step >= 2:
             x, y = x.double(), y.double()
-        opt.zero_grad()
-        F.mse_loss(model(local(x)), local(y)).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        F.mse_loss(ref(x), y).backward()
-        ref_opt.step()
+        step_both(model, opt, ref, ref_opt, x, y)
     flats = [c["name"].split(".")[3] for c in flat_calls(CALLS)]
     assert flats == (["float32", "float64", "float64"] if FLAT else []), flats
     assert len(per_param(CALLS)) == (8 if FLAT else 20), len(CALLS)
