@@ -27,6 +27,7 @@ CHECKS = [
     "closure_and_wrapped_optimizer_untouched",
     "recreated_optimizer",
     "flat_gradients",
+    "join_before_first_step",
 ]
 
 

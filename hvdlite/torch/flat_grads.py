@@ -24,7 +24,9 @@ How, and how the ranks stay in step:
    and whether every rank has the same layout (a digest of the members' wire names, shapes
    and dtypes, in wire-name order).
    Either all ranks take it or none does: a rank alone on the flat path would wait for a
-   collective nobody else submits.
+   collective nobody else submits. A rank that has joined (hvd.join) adds zeros to the
+   agreement instead of its vote; the others then agree again at their next step, so that
+   all of them agree at the first step after the join, the joined rank included.
 2. Once they agree, each member's `.grad` becomes a view of its flat buffer. A member is a
    contiguous CPU parameter whose gradient was dense then (synchronize() leaves every
    parameter one, zeros where it had none); a sparse gradient or a GPU tensor stays on the
@@ -156,12 +158,19 @@ class FlatGradients:
                          key=lambda p: wire_names[p])
         digest = _digest(members, wire_names)
         lo, hi = struct.unpack("<II", digest)
-        lo, hi = lo >> 1, hi >> 1     # 31 bits each: their negations fit too
+        # 31 bits each, so their negations fit too, and never 0, so a rank that has joined
+        # (hvd.join: it adds zeros to the others' allreduces) shows in the result.
+        lo, hi = (lo >> 1) | 1, (hi >> 1) | 1
         want = int(bool(members) and _ops.whole_pass()
                    and not _ops.fuses_in_place(process_set)
                    and _config.env_bool("FLAT_GRADIENTS", True))
         votes = torch.tensor([want, lo, -lo, hi, -hi], dtype=torch.int64)
         _ops.allreduce_now(votes, votes, name=AGREE_NAME, op=MIN, process_set=process_set)
+        if int(votes[1]) == 0:
+            # A joined rank took part with zeros and has yet to agree itself: agree again at
+            # the next step, which every rank takes together once the join is over.
+            self.active = False
+            return
         self._engine = _basics.engine()
         same_layout = int(votes[1]) == -int(votes[2]) and int(votes[3]) == -int(votes[4])
         if not (int(votes[0]) == 1 and same_layout):

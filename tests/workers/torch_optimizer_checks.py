@@ -776,6 +776,34 @@ def flat_gradients():
     assert_identical_across_ranks(model)
 
 
+@check
+def join_before_first_step():
+    # Rank 1 joins (no data) before its first step while rank 0 takes two, then both train
+    # together: the ranks must agree on the flat path at that first common step (rank 0's
+    # agreements during the join saw rank 1's zeros, not its vote), not hang on an agreement
+    # only rank 1 submits.
+    model = make_model()
+    opt = hvd.DistributedOptimizer(sgd(model, momentum=0.0),
+                                   named_parameters=model.named_parameters())
+    if RANK == 0:
+        for step in range(2):
+            x, y = global_batch(step, salt=16)
+            opt.zero_grad()
+            F.mse_loss(model(local(x)), local(y)).backward()
+            opt.step()
+    hvd.join()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    ref = make_model()
+    ref.load_state_dict(model.state_dict())
+    ref_opt = sgd(ref, momentum=0.0)
+    for step in range(2, 2 + STEPS):
+        x, y = global_batch(step, salt=16)
+        step_both(model, opt, ref, ref_opt, x, y)
+    assert_same_as(model, ref)
+    assert_identical_across_ranks(model)
+    assert bool(opt._flat.active) == FLAT
+
+
 for fn in CHECKS:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
