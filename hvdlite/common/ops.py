@@ -261,8 +261,8 @@ def fuses_in_place(process_set=None) -> bool:
     Why a frontend asks: elsewhere (MPI on one core per rank, gloo over TCP) a fused step's
     gradients are copied into a fusion buffer and back, or reduced with one call each, and one
     flat buffer spares that; through shared memory the CNN of benchmarks/train_step.py measured
-    no gain from it (2 gloo ranks, three alternating runs: 27.7-31.7 ms a step against
-    27.3-28.7), the hooks' copies into the buffer costing what the fusion saved."""
+    a loss from it (2 gloo ranks, three alternating runs: 28.2-28.4 ms a step against
+    26.4-27.6), the hooks' copies into the buffer costing more than the fusion saved."""
     comm = _state().engine.comms.get((set_id(process_set), "cpu"))
     return bool(getattr(comm, "fuses_in_place", False))
 

@@ -12,7 +12,7 @@ ranks, one core each (`mpiexec -n 2 python benchmarks/train_step.py --models cnn
 alternating runs against per-gradient allreduces): the CNN's step 26.0-26.4 ms against
 26.3-28.4 (0.75-0.79 x DDP's against 0.79-0.85), the MLP's 15.7-16.0 against 15.7-17.7.
 Through shared memory, which fuses with no buffer (ops.fuses_in_place), the copies into the
-views cost what the fusion saved, and the flat path is not taken there.
+views cost more than the fusion saved, and the flat path is not taken there.
 
 How, and how the ranks stay in step:
 1. Each step until the ranks agree goes the per-parameter way: each gradient its own named
