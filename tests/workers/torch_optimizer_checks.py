@@ -25,7 +25,8 @@ PATH = sys.argv[sys.argv.index("--path") + 1]
 if PATH in ("flat", "deferred"):
     # One core per rank (before init: the engine decides its buckets from this).
     cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[int(os.environ["HOROVOD_RANK"]) % len(cores)]})
+    rank = os.environ.get("HOROVOD_RANK") or os.environ.get("PMI_RANK", "0")   # (mpiexec)
+    os.sched_setaffinity(0, {cores[int(rank) % len(cores)]})
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
