@@ -112,22 +112,23 @@ class FlatGradients:
         if g is view:
             return
         if not _fits(p, view, self._addresses[p]):
-            self.active = False      # the layout is stale: per-parameter, then agree again
-            self._engine = None
+            self._leave()
             return
         view.copy_(g)
         p.grad = view
 
+    def _leave(self) -> None:
+        """Off the flat path: this step goes per parameter, and the ranks agree again at its
+        end (needs_agreement)."""
+        self.active = False
+        self._engine = None
+
     def usable(self) -> bool:
         """At synchronize(): whether this step's members go flat. False after a new engine
         (elastic reset) or a stale layout, which also sends the ranks to agree again."""
-        if self.active and self._engine is not _basics.engine():
-            self.active = False
-            self._engine = None
-        if self.active and not all(_fits(p, v, self._addresses[p])
-                                   for p, v in self.views.items()):
-            self.active = False
-            self._engine = None
+        if self.active and (self._engine is not _basics.engine() or not all(
+                _fits(p, v, self._addresses[p]) for p, v in self.views.items())):
+            self._leave()
         return self.active
 
     def reduce(self, op: int, prescale: float, postscale: float, process_set) -> None:
@@ -149,7 +150,7 @@ class FlatGradients:
         """Whether the ranks have yet to agree with this engine: after init, after an elastic
         reset (a new engine: the survivors agree again beside the new workers, whether or not
         they took the flat path before), or after a stale layout."""
-        return self._engine is None or self._engine is not _basics.engine()
+        return self._engine is not _basics.engine()
 
     def agree(self, candidates, wire_names: dict, process_set) -> None:
         """Step 1 of the module docstring, at the end of a per-parameter synchronize(): every
@@ -166,18 +167,16 @@ class FlatGradients:
                    and _config.env_bool("FLAT_GRADIENTS", True))
         votes = torch.tensor([want, lo, -lo, hi, -hi], dtype=torch.int64)
         _ops.allreduce_now(votes, votes, name=AGREE_NAME, op=MIN, process_set=process_set)
+        self.active = False
         if int(votes[1]) == 0:
             # A joined rank took part with zeros and has yet to agree itself: agree again at
             # the next step, which every rank takes together once the join is over.
-            self.active = False
             return
         self._engine = _basics.engine()
         same_layout = int(votes[1]) == -int(votes[2]) and int(votes[3]) == -int(votes[4])
-        if not (int(votes[0]) == 1 and same_layout):
-            self.active = False
-            return
-        self._build(members, wire_names, digest.hex())
-        self.active = True
+        if int(votes[0]) == 1 and same_layout:
+            self._build(members, wire_names, digest.hex())
+            self.active = True
 
     def _build(self, members: list, wire_names: dict, digest: str) -> None:
         """Allocate a flat buffer per dtype (on huge pages where the kernel offers them:
