@@ -141,6 +141,67 @@ def test_a_late_peer_hands_the_collective_to_the_worker(monkeypatch):
 
 
 @pytest.mark.timeout(60)
+def test_spinning_waits_in_cache_sized_chunks(monkeypatch):
+    """While every rank has a core, the worker's waits spin before they sleep and a large
+    collective runs in chunks smaller than the slot (SPIN_CHUNK_BYTES). Here the chunk is 4 KiB,
+    so each collective runs in many chunks with an uneven tail, and rank 1 starts 50 ms late
+    (rank 0's first wait outlasts its spin and sleeps; the later ones find rank 1 in step).
+    Results against references computed here."""
+    channels = _pair(monkeypatch, 30.0)
+    try:
+        for c in channels:
+            c.spin_s = 0.005
+            c.chunk = 4096
+        assert channels[0].chunk < channels[0].slot
+        n = 5003
+        ins = [torch.arange(n, dtype=torch.float32) * (r + 1) + r for r in range(2)]
+        fused = [[torch.full((k * 700 + 11,), float(10 * r + k)) for k in range(3)]
+                 for r in range(2)]
+        fused_out = [[torch.empty_like(t) for t in fused[r]] for r in range(2)]
+        rs_in = [torch.arange(2 * n, dtype=torch.float64) + 100 * r for r in range(2)]
+        rs_out = [torch.empty(n, dtype=torch.float64) for _ in range(2)]
+        ag_in = [torch.full((n,), r + 1, dtype=torch.int32) for r in range(2)]
+        ag_out = [torch.empty(2 * n, dtype=torch.int32) for _ in range(2)]
+        bc = [torch.arange(n, dtype=torch.int64) * (1 - r) for r in range(2)]
+        errors = []
+
+        def rank(r):
+            try:
+                if r == 1:
+                    time.sleep(0.05)
+                c = channels[r]
+                works = [c.allreduce(ins[r], SUM),
+                         c.allreduce_tensors(fused[r], fused_out[r], SUM, 0.5, 4.0),
+                         c.reducescatter(rs_out[r], rs_in[r], SUM),
+                         c.allgather(ag_out[r], ag_in[r]),
+                         c.broadcast(bc[r], 0)]
+                for w in works:
+                    w.wait()
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        want = torch.arange(n, dtype=torch.float32) * 3 + 1
+        rs_want = (torch.arange(2 * n, dtype=torch.float64) * 2 + 100).view(2, n)
+        for r in range(2):
+            assert torch.equal(ins[r], want)
+            for k in range(3):
+                assert torch.equal(fused_out[r][k], torch.full((k * 700 + 11,), 20.0 + 4 * k))
+            assert torch.equal(rs_out[r], rs_want[r])
+            assert torch.equal(ag_out[r], torch.cat([torch.full((n,), 1, dtype=torch.int32),
+                                                     torch.full((n,), 2, dtype=torch.int32)]))
+            assert torch.equal(bc[r], torch.arange(n, dtype=torch.int64))
+    finally:
+        for c in channels:
+            c.close()
+
+
+@pytest.mark.timeout(60)
 def test_agreement_rounds(monkeypatch):
     """Rounds through the segment: AND of the bits, OR of the fallback flags, over more rounds
     than the two sets of words (each round's words are reused two rounds later), wide ones too."""
