@@ -294,9 +294,13 @@ class Executor:
                 self._tl(names, "ALLREDUCE")
                 yield work
                 return
-        if len(inputs) == 1 and outputs[0] is not None and _on(comm, outputs[0]):
-            yield from self._reduce_into(comm, inputs[0], outputs[0], op, resp.prescale, post,
-                                         names)
+        if len(inputs) == 1 and (outputs[0] is None or _on(comm, outputs[0])):
+            # A lone tensor, reduced in its output; a joined rank's zeros (no output) in
+            # themselves, so that it makes the very call the other ranks make: sent to the
+            # fusion path instead, it went to MPI's `in_order` communicator from 64 KiB on
+            # while the others called on `comm`, and both waited forever.
+            out = inputs[0] if outputs[0] is None else outputs[0]
+            yield from self._reduce_into(comm, inputs[0], out, op, resp.prescale, post, names)
             return
         itemsize = torch.empty((), dtype=dtype).element_size()
         counts = [math.prod(s) for s in resp.shapes]
@@ -353,7 +357,11 @@ class Executor:
         sequence = getattr(comm, "allreduce_sequence", None)
         direct = [i for i in big if outputs[i] is None
                   or (outputs[i].is_contiguous() and _on(comm, outputs[i]))]
-        if sequence is not None and len(direct) > 1:
+        # The chained calls only where every member is reduced in its own memory: the calls
+        # then go in the order of `big`, as the one-by-one calls below would, and the order
+        # of calls is all the ranks must share (a rank whose output is not contiguous would
+        # otherwise call on its other members first).
+        if sequence is not None and len(direct) > 1 and len(direct) == len(big):
             # Every member reduced in its own memory (a joined rank's zeros in place, then
             # dropped), the calls chained inside the transport (backends/mpi._Sequence): one
             # step of this generator instead of one per member. The work starts when first

@@ -68,12 +68,17 @@ VARIABLES: tuple[Var, ...] = (
        "its own allreduce everywhere)", _L),
     _v("MPI_WAIT", "str", "auto", "`spin`, `yield` or `auto`: how MPI waits use the core; auto "
        "yields when a host runs more ranks than cores"),
+    _v("MPI_SHM_MIN_MB", "float", 1.0, "MPI ranks on one host whose waits spin move "
+       "allreduce, reducescatter, allgather and broadcast data of this size and more through "
+       "hvdlite's shared memory (faster than MPICH's there), smaller ones through MPI; 0: MPI "
+       "for all", _L),
     _v("SHM", "str", "auto", "`auto`, `1` or `0`: ranks of a gloo job that share a host move "
        "allreduce, reducescatter, allgather and broadcast data through shared memory (/dev/shm) "
        "instead of TCP loopback, and so do ranks of an MPI job whose waits yield (more ranks "
-       "than cores); auto: on x86-64", _L),
+       "than cores), or its large collectives where they spin (MPI_SHM_MIN_MB); auto: on "
+       "x86-64", _L),
     _v("SHM_SLOT_MB", "float", 8.0, "per-rank shared-memory slot; larger collectives run in "
-       "chunks of this size", _L),
+       "chunks of this size (of at most 2 MB while every rank has a core of its own)", _L),
     _v("DISABLE_GROUP_FUSION", "bool", False, "grouped tensors fuse only with their own group"),
     _v("HIERARCHICAL_ALLREDUCE", "bool", False,
        "reduce within each host, allreduce across hosts, broadcast within each host"),

@@ -1,5 +1,7 @@
 """A job started by mpiexec directly runs its collectives on MPI and gets exact results.
-Prints how many collectives went through hvdlite's shared-memory channel instead of MPI."""
+Prints how many collectives went through hvdlite's shared-memory channel instead of MPI: with
+small tensors only, then in all, after collectives of 1 MiB and more (backends/mpi.LARGE_MB),
+some of them submitted between small ones, and a large allreduce after a rank joined."""
 import sys
 
 import torch
@@ -48,6 +50,37 @@ handles = [hvd.allreduce_async(torch.ones(100) * i, name=f"many.{i}", op=hvd.Sum
            for i in range(50)]
 assert all(torch.equal(hvd.synchronize(h), torch.ones(100) * i * s)
            for i, h in enumerate(handles))
+small_shm_ops = basics.engine_counters()["shm_collectives"]
+
+# Large collectives (above backends/mpi.LARGE_MB), interleaved with small ones: where waits spin,
+# the large ones take the shared-memory channel and the small ones MPI, and no rank may wait on
+# the other path for a collective the other rank has not reached.
+n = 400_000                                             # 1.6 MB of float32
+big = [torch.arange(n, dtype=torch.float32) + 7 * k for k in range(s)]
+handles = []
+for i in range(4):
+    handles.append(hvd.allreduce_async(big[r] * (i + 1), name=f"big.{i}", op=hvd.Sum))
+    handles.append(hvd.allreduce_async(torch.full((10,), float(r + i)), name=f"small.{i}",
+                                       op=hvd.Sum))
+want_big = torch.stack(big).sum(0)
+for i in range(4):
+    assert torch.equal(hvd.synchronize(handles[2 * i]), want_big * (i + 1)), i
+    assert torch.equal(hvd.synchronize(handles[2 * i + 1]),
+                       torch.full((10,), float(sum(range(s)) + s * i))), i
+avg = hvd.allreduce(big[r].double(), name="big.avg")
+assert torch.allclose(avg, torch.stack(big).double().mean(0)), "big average"
+parts = [torch.full((70_000,), float(r + k)) for k in range(6)]      # fused: 1.7 MB in all
+outs = hvd.grouped_allreduce(parts, op=hvd.Sum, name="big.group")
+for k, o in enumerate(outs):
+    assert torch.equal(o, torch.full((70_000,), float(sum(range(s)) + s * k))), k
+gathered = hvd.allgather(big[r].view(-1, 4), name="big.ag")
+assert torch.equal(gathered, torch.cat([b.view(-1, 4) for b in big])), "big allgather"
+bc = hvd.broadcast(big[r], root_rank=s - 1, name="big.bc")
+assert torch.equal(bc, big[s - 1]), "big broadcast"
+m = n // s * s
+rsc = hvd.reducescatter(big[r][:m], op=hvd.Sum, name="big.rs")
+assert torch.equal(rsc, want_big[:m].view(s, -1)[r]), "big reducescatter"
+
 odd = hvd.add_process_set([k for k in range(s) if k % 2 == 1])
 if r % 2 == 1:
     x = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum, process_set=odd, name="odd")
@@ -58,8 +91,13 @@ if r == 0:
     hvd.join()
 else:
     hvd.allreduce(torch.ones(2), name="after_join", op=hvd.Sum)
+    # Lone tensors past the in-place size (64 KiB) and past LARGE_MB: the joined rank's zeros
+    # must make the very calls the others make (they once went to another communicator).
+    for k in (100_000, n):
+        late = hvd.allreduce(torch.ones(k), name=f"after_join.{k}", op=hvd.Sum)
+        assert torch.equal(late, torch.ones(k) * (s - 1)), f"the joined rank adds zeros ({k})"
     hvd.join()
 shm_ops = basics.engine_counters()["shm_collectives"]
-print(f"OK rank {r} shm_collectives {shm_ops}", flush=True)
+print(f"OK rank {r} shm_collectives {small_shm_ops} {shm_ops}", flush=True)
 hvd.shutdown()
 sys.exit(0)

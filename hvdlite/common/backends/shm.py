@@ -742,45 +742,56 @@ def _pid_ns() -> str:
 class ShmRouted:
     """The routing a transport with a shared-memory channel shares: allreduce, reducescatter,
     allgather and broadcast go through `self.shm` when it takes the tensors (CPU, a dtype torch
-    reduces elementwise), otherwise to the transport's own `_allreduce`, `_reducescatter`,
-    `_allgather` and `_broadcast`. gloo and MPI both use it, so the rules live in one place."""
+    reduces elementwise, at least `shm_min_bytes`), otherwise to the transport's own
+    `_allreduce`, `_reducescatter`, `_allgather` and `_broadcast`. gloo and MPI both use it, so
+    the rules live in one place."""
 
     shm: Optional[ShmChannel] = None
+    # Collectives of fewer bytes go to the transport even where the channel could take them: 0
+    # for gloo (the channel beats its TCP at every size), MPI's LARGE_BYTES while its ranks
+    # spin (MPICH's own shared memory wins below that size, the channel above it).
+    shm_min_bytes: int = 0
 
     @property
     def fuses_in_place(self) -> bool:
         """Whether a fused allreduce needs no fusion buffer here (allreduce_tensors: the channel
-        copies each member into its segment and the results out itself)."""
-        return self.shm is not None
+        copies each member into its segment and the results out itself), whatever its size."""
+        return self.shm is not None and self.shm_min_bytes == 0
+
+    def _takes(self, tensor: torch.Tensor, reduce: bool) -> bool:
+        return (self.shm is not None and self.shm.handles(tensor, reduce)
+                and tensor.numel() * tensor.element_size() >= self.shm_min_bytes)
 
     def allreduce(self, tensor: torch.Tensor, op: int):
-        if self.shm is not None and self.shm.handles(tensor, reduce=True):
+        if self._takes(tensor, reduce=True):
             return self.shm.allreduce(tensor, op)
         return self._allreduce(tensor, op)
 
     def allreduce_tensors(self, inputs: list, outputs: list, op: int, prescale: float,
                           postscale: float):
         """A fused allreduce without the engine's fusion buffer, through shared memory; None
-        when that path cannot take these tensors (the engine then packs and calls allreduce)."""
+        when that path cannot take these tensors (the engine then packs and calls allreduce,
+        or reduces the large members in place: collectives.Executor)."""
         if self.shm is None or not all(self.shm.handles(t, reduce=True) for t in inputs) or \
                 not all(o is None or self.shm.handles(o, reduce=True) for o in outputs):
+            return None
+        if self.shm_min_bytes and \
+                sum(t.numel() * t.element_size() for t in inputs) < self.shm_min_bytes:
             return None
         return self.shm.allreduce_tensors(inputs, outputs, op, prescale, postscale)
 
     def reducescatter(self, output: torch.Tensor, tensor: torch.Tensor, op: int):
-        if (self.shm is not None and self.shm.handles(output, reduce=True)
-                and self.shm.handles(tensor, reduce=True)):
+        if self._takes(tensor, reduce=True) and self.shm.handles(output, reduce=True):
             return self.shm.reducescatter(output, tensor, op)
         return self._reducescatter(output, tensor, op)
 
     def allgather(self, output: torch.Tensor, tensor: torch.Tensor):
-        if (self.shm is not None and self.shm.handles(output, reduce=False)
-                and self.shm.handles(tensor, reduce=False)):
+        if self._takes(output, reduce=False) and self.shm.handles(tensor, reduce=False):
             return self.shm.allgather(output, tensor)
         return self._allgather(output, tensor)
 
     def broadcast(self, tensor: torch.Tensor, root: int):
-        if self.shm is not None and self.shm.handles(tensor, reduce=False):
+        if self._takes(tensor, reduce=False):
             return self.shm.broadcast(tensor, root)
         return self._broadcast(tensor, root)
 
