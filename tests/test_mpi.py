@@ -84,6 +84,24 @@ def test_shared_memory_carries_what_it_does_best(env, small, large):
         assert (after > before) == large, (env, line)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["spin", "yield"])
+def test_a_call_nobody_matches_times_out(mode):
+    """MPI's own Wait has no timeout: a rank whose peer never makes the matching call waited
+    forever, silently. hvdlite's waits end in MPITimeout after the transport timeout (2 s here),
+    naming the rank and the fix, in both waiting modes; the request still completes once the
+    peer arrives."""
+    proc = mpiexec("mpi_timeout.py", 2, env={"HVDLITE_MPI_WAIT": mode}, timeout=45)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    found = re.search(r"TIMEOUT after ([\d.]+) s: MPI allreduce did not complete within 2 s on "
+                      r"rank 0: .* HOROVOD_GLOO_TIMEOUT_SECONDS", proc.stdout)
+    assert found, out
+    assert 1.9 <= float(found.group(1)) < 3.5, found.group(0)
+    for r in range(2):
+        assert f"OK rank {r} mode {mode}" in proc.stdout, out
+
+
 @pytest.mark.timeout(150)
 def test_mpirun_job_with_gloo_transport():
     """HOROVOD_CPU_OPERATIONS=gloo under mpiexec: ranks meet over MPI, data goes over gloo."""

@@ -87,7 +87,8 @@ def check_sequence(driven_by: str) -> None:
             launched.append(args[1])
             return comm.Iallreduce(*args)
 
-    seq = backend._Sequence(Counting(), [t.numpy() for t in ts], MPI.SUM, yielding=False)
+    seq = backend._Sequence(Counting(), [t.numpy() for t in ts], MPI.SUM,
+                            backend._Waiter(yielding=False, timeout_s=30.0, rank=0))
     assert not launched, "the sequence started before anyone tested or waited for it"
     if driven_by == "test":
         for _ in range(10000):

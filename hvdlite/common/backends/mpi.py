@@ -64,29 +64,66 @@ def wait_mode(local_ranks: int | None = None) -> str:
 INLINE_POLL_S = 250e-6
 
 
-def _yielding_wait(req) -> None:
-    """Poll with Test(), sleeping a little longer each time (up to 200 us) so the core goes to
-    the rank being waited for; never spins for long."""
-    pause = 0.0
-    while not req.Test():
-        time.sleep(pause)
-        pause = min(pause * 2 or 10e-6, 200e-6)
+class MPITimeout(RuntimeError):
+    """An MPI request did not complete within the transport timeout."""
+
+
+class _Waiter:
+    """How this communicator's requests are waited for: spinning or yielding the core
+    (wait_mode), and never longer than the transport timeout.
+
+    Why not MPI's Wait: it has no timeout, so a peer that never makes the matching call (a
+    stuck or dead rank, or a bug that sends the ranks to different calls) held every rank in it
+    forever, silently; a wrong call order in the join path once did exactly that. Spinning
+    polls Test() and, every 256 polls (a few microseconds), checks the clock and gives up the
+    GIL and the core (os.sched_yield), as MPICH's own Wait would poll its progress engine."""
+
+    __slots__ = ("yielding", "timeout_s", "rank")
+
+    def __init__(self, yielding: bool, timeout_s: float, rank: int):
+        self.yielding, self.timeout_s, self.rank = yielding, timeout_s, rank
+
+    def block(self, req, what: str) -> None:
+        if req.Test():
+            return
+        deadline = time.monotonic() + self.timeout_s
+        if self.yielding:
+            # Sleep a little longer each time (up to 200 us), so the core goes to the rank
+            # being waited for; never spin for long.
+            pause = 10e-6
+            while not req.Test():
+                if time.monotonic() >= deadline:
+                    self._expired(what)
+                time.sleep(pause)
+                pause = min(pause * 2, 200e-6)
+            return
+        polls = 0
+        while not req.Test():
+            polls += 1
+            if polls & 255 == 0:
+                if time.monotonic() >= deadline:
+                    self._expired(what)
+                os.sched_yield()
+
+    def _expired(self, what: str) -> None:
+        raise MPITimeout(
+            f"MPI {what} did not complete within {self.timeout_s:.0f} s on rank {self.rank}: "
+            f"another rank is stuck, has died, or made a different collective call (see the "
+            f"other ranks' errors); raise the transport timeout, HOROVOD_GLOO_TIMEOUT_SECONDS, "
+            f"if the ranks are only slow")
 
 
 class _Request:
     """A pending MPI request; optionally copies a widened result back."""
 
-    __slots__ = ("req", "wide", "out", "yielding")
+    __slots__ = ("req", "what", "waiter", "wide", "out")
 
-    def __init__(self, req, wide: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                 yielding: bool = False):
-        self.req, self.wide, self.out, self.yielding = req, wide, out, yielding
+    def __init__(self, req, what: str, waiter: _Waiter, wide: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None):
+        self.req, self.what, self.waiter, self.wide, self.out = req, what, waiter, wide, out
 
     def wait(self) -> None:
-        if self.yielding:
-            _yielding_wait(self.req)
-        else:
-            self.req.Wait()
+        self.waiter.block(self.req, self.what)
         if self.wide is not None:
             self.out.copy_(self.wide)
 
@@ -111,10 +148,10 @@ class _Sequence:
     the next call starts from the test or wait that saw the last one end. (Launching them all
     at once was slower still: 3.8-4.4 ms raw, MPICH tracking 72 requests.)"""
 
-    __slots__ = ("comm", "arrays", "op", "yielding", "i", "req")
+    __slots__ = ("comm", "arrays", "op", "waiter", "i", "req")
 
-    def __init__(self, comm, arrays: list, op, yielding: bool):
-        self.comm, self.arrays, self.op, self.yielding = comm, arrays, op, yielding
+    def __init__(self, comm, arrays: list, op, waiter: _Waiter):
+        self.comm, self.arrays, self.op, self.waiter = comm, arrays, op, waiter
         self.i = -1                        # started by the first test or wait
         self.req = None
 
@@ -138,10 +175,8 @@ class _Sequence:
         if self.i < 0:
             self._next()
         while self.i < len(self.arrays):
-            if self.yielding:
-                _yielding_wait(self.req)
-            else:
-                self.req.Wait()
+            self.waiter.block(self.req, f"allreduce (member {self.i + 1} of "
+                                        f"{len(self.arrays)} reduced in place)")
             self._next()
 
 
@@ -356,6 +391,7 @@ class MPICommunicator(shm.ShmRouted):
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.yielding = wait_mode() == "yield"
+        self.waiter = _Waiter(self.yielding, timeout_s, self.rank)
         # The engine may poll a small collective for this long before handing it to its
         # finisher thread (Engine._poll_inline): MPI's shared-memory latency is a few us, far
         # below a thread hand-off. Not when ranks outnumber cores: polling would take the core.
@@ -376,7 +412,7 @@ class MPICommunicator(shm.ShmRouted):
         self.agreement = Agreement(comm) if rounds else None
         self.in_order = None
         if in_order and comm.allreduce(not self.yielding, op=MPI.LAND):
-            self.in_order = MPICommunicator(comm.Dup(), rounds=False)
+            self.in_order = MPICommunicator(comm.Dup(), rounds=False, timeout_s=timeout_s)
         # When ranks outnumber cores (any rank yields), MPICH still busy-polls inside its own
         # progress engine, and every rank's spin takes the core from the rank it waits for.
         # hvdlite's shared-memory channel sleeps in select() on a FIFO instead, so the data of
@@ -417,28 +453,30 @@ class MPICommunicator(shm.ShmRouted):
         (those go one by one through _allreduce) or shared memory carries the data."""
         if self.fuses_in_place or any(t.dtype in _WIDEN for t in tensors):
             return None
-        return _Sequence(self.comm, [_array(t) for t in tensors], _ops()[op], self.yielding)
+        return _Sequence(self.comm, [_array(t) for t in tensors], _ops()[op], self.waiter)
 
     def _allreduce(self, tensor: torch.Tensor, op: int):
         wide = _WIDEN.get(tensor.dtype)
         work = tensor.to(wide) if wide is not None else tensor
         req = self.comm.Iallreduce(MPI.IN_PLACE, _array(work), _ops()[op])
-        return _Request(req, work if wide is not None else None, tensor, self.yielding)
+        return _Request(req, "allreduce", self.waiter, work if wide is not None else None,
+                        tensor)
 
     def _reducescatter(self, output: torch.Tensor, tensor: torch.Tensor, op: int):
         wide = _WIDEN.get(output.dtype)
         out = output.to(wide) if wide is not None else output
         src = tensor.to(wide) if wide is not None else tensor
         req = self.comm.Ireduce_scatter_block(_array(src), _array(out), _ops()[op])
-        return _Request(req, out if wide is not None else None, output, self.yielding)
+        return _Request(req, "reducescatter", self.waiter, out if wide is not None else None,
+                        output)
 
     def _allgather(self, output: torch.Tensor, tensor: torch.Tensor):
-        return _Request(self.comm.Iallgather(_array(tensor), _array(output)),
-                        yielding=self.yielding)
+        return _Request(self.comm.Iallgather(_array(tensor), _array(output)), "allgather",
+                        self.waiter)
 
     def _broadcast(self, tensor: torch.Tensor, root: int):
-        return _Request(self.comm.Ibcast(_array(tensor), root=root),
-                        yielding=self.yielding)
+        return _Request(self.comm.Ibcast(_array(tensor), root=root), "broadcast",
+                        self.waiter)
 
     def alltoall(self, output: torch.Tensor, tensor: torch.Tensor, out_splits: list[int],
                  in_splits: list[int]):
@@ -446,7 +484,7 @@ class MPICommunicator(shm.ShmRouted):
         out_displs = [sum(out_splits[:i]) for i in range(len(out_splits))]
         req = self.comm.Ialltoallv([_array(tensor), list(in_splits), in_displs, MPI.BYTE],
                                    [_array(output), list(out_splits), out_displs, MPI.BYTE])
-        return _Request(req, yielding=self.yielding)
+        return _Request(req, "alltoall", self.waiter)
 
     def close(self) -> None:
         self.close_shm()
