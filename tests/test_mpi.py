@@ -60,17 +60,18 @@ def test_distributed_optimizer_flat_gradients_on_mpi():
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("env,small,large", [
     ({"HVDLITE_MPI_WAIT": "yield"}, True, True),
-    ({"HVDLITE_MPI_WAIT": "spin"}, False, True),
+    ({"HVDLITE_MPI_WAIT": "spin", "HVDLITE_MPI_SHM_MIN_MB": "1"}, False, True),
     ({"HVDLITE_MPI_WAIT": "spin", "HVDLITE_MPI_SHM_MIN_MB": "0"}, False, False),
     ({"HVDLITE_MPI_WAIT": "yield", "HVDLITE_SHM": "0"}, False, False)],
     ids=["yield", "spin", "spin-min-0", "yield-shm-off"])
 def test_shared_memory_carries_what_it_does_best(env, small, large):
     """Where MPI waits yield the core (ranks outnumber cores; forced here), allreduce,
     reducescatter, allgather and broadcast data goes through hvdlite's shared-memory channel,
-    which sleeps where MPICH would spin. Where they spin, only collectives of 1 MiB and more
-    do (MPICH is faster below, the channel above: backends/mpi.LARGE_MB), some of them
-    submitted between small ones that take MPI; HVDLITE_MPI_SHM_MIN_MB=0 and HVDLITE_SHM=0
-    keep MPI for all. Results are exact either way (the whole worker: every dtype and op,
+    which sleeps where MPICH would spin. Where they spin, only collectives of
+    HVDLITE_MPI_SHM_MIN_MB and more do (MPICH is faster below, the channel above:
+    backends/mpi.LARGE_MB, 8 MiB; 1 MiB here, which the worker's large tensors pass), some of
+    them submitted between small ones that take MPI; HVDLITE_MPI_SHM_MIN_MB=0 and
+    HVDLITE_SHM=0 keep MPI for all. Results are exact either way (the whole worker: every dtype and op,
     process sets, join, large tensors)."""
     proc = mpiexec("mpi_direct.py", 2, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -68,7 +68,7 @@ VARIABLES: tuple[Var, ...] = (
        "its own allreduce everywhere)", _L),
     _v("MPI_WAIT", "str", "auto", "`spin`, `yield` or `auto`: how MPI waits use the core; auto "
        "yields when a host runs more ranks than cores"),
-    _v("MPI_SHM_MIN_MB", "float", 1.0, "MPI ranks on one host whose waits spin move "
+    _v("MPI_SHM_MIN_MB", "float", 8.0, "MPI ranks on one host whose waits spin move "
        "allreduce, reducescatter, allgather and broadcast data of this size and more through "
        "hvdlite's shared memory (faster than MPICH's there), smaller ones through MPI; 0: MPI "
        "for all", _L),

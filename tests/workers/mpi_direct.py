@@ -1,6 +1,7 @@
 """A job started by mpiexec directly runs its collectives on MPI and gets exact results.
 Prints how many collectives went through hvdlite's shared-memory channel instead of MPI: with
-small tensors only, then in all, after collectives of 1 MiB and more (backends/mpi.LARGE_MB),
+small tensors only, then in all, after collectives of 1 MiB and more (past the test's
+HVDLITE_MPI_SHM_MIN_MB),
 some of them submitted between small ones, and a large allreduce after a rank joined."""
 import sys
 
@@ -52,7 +53,7 @@ assert all(torch.equal(hvd.synchronize(h), torch.ones(100) * i * s)
            for i, h in enumerate(handles))
 small_shm_ops = basics.engine_counters()["shm_collectives"]
 
-# Large collectives (above backends/mpi.LARGE_MB), interleaved with small ones: where waits spin,
+# Large collectives (past the test's HVDLITE_MPI_SHM_MIN_MB), interleaved with small ones: where waits spin,
 # the large ones take the shared-memory channel and the small ones MPI, and no rank may wait on
 # the other path for a collective the other rank has not reached.
 n = 400_000                                             # 1.6 MB of float32
@@ -91,7 +92,7 @@ if r == 0:
     hvd.join()
 else:
     hvd.allreduce(torch.ones(2), name="after_join", op=hvd.Sum)
-    # Lone tensors past the in-place size (64 KiB) and past LARGE_MB: the joined rank's zeros
+    # Lone tensors past the in-place size (64 KiB) and past 1 MiB: the joined rank's zeros
     # must make the very calls the others make (they once went to another communicator).
     for k in (100_000, n):
         late = hvd.allreduce(torch.ones(k), name=f"after_join.{k}", op=hvd.Sum)

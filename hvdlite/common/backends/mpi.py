@@ -349,13 +349,18 @@ class AgreementRequest:
 # broadcasts of at least LARGE_MB MiB go through hvdlite's shared-memory channel
 # (backends/shm.py) when the ranks share a host, and smaller ones through MPI, which also keeps
 # the steady state's rounds. MPICH's own shared memory is faster for small collectives (a few
-# us for 4 KiB, where the channel's Python costs tens), the channel from about 0.5 MiB on, and
-# far ahead once a collective outgrows the cache. hvd.allreduce_ on 2 ranks of this project's
+# us for 4 KiB, where the channel's Python costs tens); the channel wins from a few MiB on, and
+# by far once a collective outgrows the cache. hvd.allreduce_ on 2 ranks of this project's
 # 2-core machine, the same processes switching between the two paths, 7 alternating rounds,
-# MPI against the channel: 256 KiB 64 / 68 us, 512 KiB 99 / 86 us, 1 MiB 163 / 121 us, 4 MiB
-# 0.55 / 0.41 ms, 16 MiB 4.0 / 2.1 ms, 64 MiB 33.1 / 8.0 ms. Broadcasts of 1-64 MiB gained
-# 1.2-1.8 x, allgathers 1.0-1.3 x.
-LARGE_MB = 1.0
+# MPI against the channel: with warm caches 1 MiB 163 / 121 us, 4 MiB 0.55 / 0.41 ms, 16 MiB
+# 4.0 / 2.1 ms, 64 MiB 33.1 / 8.0 ms; with the caches flushed before each call (as after a
+# backward pass) 1 MiB 0.32 / 0.33 ms, 4 MiB 0.97 / 0.96, 8 MiB 1.93 / 1.50, 16 MiB 4.5 / 2.6,
+# 32 MiB 16.6 / 4.5. Hence 8 MiB: below it the channel gains nothing cold, and the CNN of
+# benchmarks/train_step.py, whose one flat buffer holds 4.4 MB, stepped at 0.78-0.80 x DDP with
+# it through the channel against 0.76-0.77 through MPI (three alternating runs of
+# `mpiexec -n 2 python benchmarks/train_step.py --models cnn`). Broadcasts of 1-64 MiB gained
+# 1.2-1.8 x through the channel, allgathers 1.0-1.3 x.
+LARGE_MB = 8.0
 
 # A fused allreduce's members of at least this many bytes are reduced in place, one MPI call
 # each (collectives.Executor._allreduce_in_place), instead of through the fusion buffer: MPI's
