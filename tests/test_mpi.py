@@ -85,6 +85,25 @@ def test_shared_memory_carries_what_it_does_best(env, small, large):
         assert (after > before) == large, (env, line)
 
 
+@pytest.mark.timeout(150)
+def test_ranks_agree_on_where_the_channel_starts():
+    """HVDLITE_MPI_SHM_MIN_MB set differently on the two ranks (1 on rank 0, 0 on rank 1): the
+    ranks agree (0 on any rank keeps MPI for all), so every collective takes the same path on
+    both; routed apart, a large one would wait on two transports until the timeout."""
+    path = WORKERS / "mpi_direct.py"
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    e["HVDLITE_MPI_WAIT"] = "spin"
+    proc = subprocess.run([MPIEXEC, "-n", "1", "-env", "HVDLITE_MPI_SHM_MIN_MB", "1",
+                           sys.executable, str(path), ":",
+                           "-n", "1", "-env", "HVDLITE_MPI_SHM_MIN_MB", "0",
+                           sys.executable, str(path)],
+                          capture_output=True, text=True, timeout=120, env=e)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in range(2):
+        assert f"OK rank {r} shm_collectives 0 0" in proc.stdout, proc.stdout + proc.stderr
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["spin", "yield"])
 def test_a_call_nobody_matches_times_out(mode):

@@ -426,15 +426,19 @@ class MPICommunicator(shm.ShmRouted):
         # the control connections, whose waits also sleep (CNN 0.92 -> 0.88 x DDP's against
         # rounds on MPI). `store` (the set's own prefix of the job's store) carries the set-up;
         # the ranks agree over MPI.
-        # Spinning ranks keep MPI for everything below LARGE_BYTES and the steady state's
-        # rounds on MPI; the channel carries the larger collectives (LARGE_BYTES says why).
+        # Spinning ranks keep MPI for everything below LARGE_MB and the steady state's rounds
+        # on MPI; the channel carries the larger collectives (LARGE_MB says why). The ranks
+        # agree on the size, as every rank must route a collective alike: the largest any
+        # rank asks for, or none (MPI for all) if any rank sets 0.
         if store is not None and rounds and self.size > 1:
-            anyone_yields = comm.allreduce(self.yielding, op=MPI.LOR)
-            if anyone_yields or large_bytes() > 0:
+            asked = comm.allgather((self.yielding, large_bytes()))
+            anyone_yields = any(y for y, _ in asked)
+            from_bytes = 0 if any(b == 0 for _, b in asked) else max(b for _, b in asked)
+            if anyone_yields or from_bytes > 0:
                 self.shm = shm.connect(store, self.rank, self.size, timeout_s,
                                        self._all_agree)
             if self.shm is not None and not anyone_yields:
-                self.shm_min_bytes = large_bytes()
+                self.shm_min_bytes = from_bytes
             elif self.shm is not None and self.agreement is not None:
                 self.agreement.close()
                 self.agreement = None
