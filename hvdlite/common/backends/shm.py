@@ -473,9 +473,11 @@ class ShmChannel:
         work._finish()
         return None
 
-    def _spin(self, target: int, deadline: float) -> bool:
-        """Until every peer's counter reached `target`; False at `deadline`."""
+    def _spin(self, target: int, deadline: float, yield_core: bool = False) -> bool:
+        """Until every peer's counter reached `target`; False at `deadline`. `yield_core`:
+        give up the GIL and the core every 32 checks (the worker's waits: _wait)."""
         ctr, peers = self._ctr, self._peers
+        checks = 0
         while True:
             for r in peers:
                 if ctr[r][0] < target:
@@ -484,6 +486,9 @@ class ShmChannel:
                 return True
             if time.perf_counter() >= deadline:
                 return False
+            checks += 1
+            if yield_core and checks % 32 == 0:
+                os.sched_yield()
 
     def _run(self) -> None:
         while True:
@@ -543,18 +548,9 @@ class ShmChannel:
         lagging = [r for r in ctr if r != self.rank and ctr[r][0] < target]
         if not lagging:
             return
-        if self.spin_s > 0:
-            deadline = time.perf_counter() + self.spin_s
-            spins = 0
-            while lagging:
-                spins += 1
-                if spins % 32 == 0:
-                    if time.perf_counter() >= deadline:
-                        break
-                    os.sched_yield()
-                lagging = [r for r in lagging if ctr[r][0] < target]
-            if not lagging:
-                return
+        if self.spin_s > 0 and self._spin(target, time.perf_counter() + self.spin_s,
+                                          yield_core=True):
+            return
         start = time.monotonic()
         deadline = start + self.timeout_s
         liveness = start + _LIVENESS_S
@@ -719,9 +715,9 @@ class ShmChannel:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's memory as flat bytes (no copy)."""
-    flat = t.view(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+    """A contiguous tensor's memory as flat bytes (no copy; collectives.as_bytes, which a
+    backend does not import, does the same for the engine)."""
+    return t.view(-1).view(torch.uint8)
 
 
 def _within(ins: list, offsets: list[int], lo: int, hi: int) -> Optional[torch.Tensor]:
@@ -770,7 +766,7 @@ class ShmRouted:
 
     shm: Optional[ShmChannel] = None
     # Collectives of fewer bytes go to the transport even where the channel could take them: 0
-    # for gloo (the channel beats its TCP at every size), MPI's LARGE_BYTES while its ranks
+    # for gloo (the channel beats its TCP at every size), MPI's LARGE_MB while its ranks
     # spin (MPICH's own shared memory wins below that size, the channel above it).
     shm_min_bytes: int = 0
 
