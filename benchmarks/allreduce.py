@@ -190,8 +190,11 @@ def main():
     # Under MPI with a core per rank the channel carries only the large collectives.
     from_bytes = max((getattr(c, "shm_min_bytes", 0) for c in basics.engine().comms.values()
                       if getattr(c, "shm", None) is not None), default=0)
+    chunk = max((c.shm.chunk for c in basics.engine().comms.values()
+                 if getattr(c, "shm", None) is not None), default=0)
     where = (f"shared memory from {from_bytes / 2**20:g} MiB (HVDLITE_MPI_SHM_MIN_MB), "
              f"{raw.name} below" if from_bytes else "shared memory, HVDLITE_SHM")
+    where += f"; in chunks of {chunk / 2**20:g} MiB (HVDLITE_SHM_CHUNK_MB)"
     if hvd.rank() == 0:
         print(f"allreduce, {size} ranks, {raw.name}, median of {args.rounds} rounds"
               + (f" (hvdlite's data: {where})" if shm else ""))
@@ -217,7 +220,8 @@ def main():
               f"{many['hvdlite_grouped_ms']:.1f} ms, speedup {many['grouped_speedup']:.2f}x "
               f"(spread {many['grouped_speedup_min']:.2f}-{many['grouped_speedup_max']:.2f})")
         result = {"ranks": size, "transport": raw.name, "shared_memory": shm,
-                  "shared_memory_from_bytes": from_bytes, "sizes": rows,
+                  "shared_memory_from_bytes": from_bytes, "shared_memory_chunk_bytes": chunk,
+                  "sizes": rows,
                   "many_small": many}
         if args.json:
             with open(args.json, "w") as f:

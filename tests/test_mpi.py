@@ -86,6 +86,19 @@ def test_shared_memory_carries_what_it_does_best(env, small, large):
 
 
 @pytest.mark.timeout(150)
+def test_where_the_channel_starts_is_measured():
+    """With HVDLITE_MPI_SHM_MIN_MB unset (auto) and waits that spin, the ranks time MPI and the
+    shared-memory channel at set-up and agree on where the channel starts: 8, 16 or 32 MiB
+    (backends/mpi.LARGE_MB says why those), the same on both; the whole worker's results are
+    exact on the paths so chosen."""
+    proc = mpiexec("mpi_direct.py", 2, env={"HVDLITE_MPI_WAIT": "spin"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    starts = re.findall(r"OK rank \d shm_collectives \d+ \d+ from (\d+)", proc.stdout)
+    assert len(starts) == 2 and starts[0] == starts[1], proc.stdout + proc.stderr
+    assert int(starts[0]) in (8 << 20, 16 << 20, 32 << 20), starts
+
+
+@pytest.mark.timeout(150)
 def test_ranks_agree_on_where_the_channel_starts():
     """HVDLITE_MPI_SHM_MIN_MB set differently on the two ranks (1 on rank 0, 0 on rank 1): the
     ranks agree (0 on any rank keeps MPI for all), so every collective takes the same path on

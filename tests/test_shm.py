@@ -66,6 +66,25 @@ def test_shm_mode_rejects_a_bad_value(monkeypatch):
         shm.mode()
 
 
+@pytest.mark.parametrize("var,read", [("HVDLITE_SHM_CHUNK_MB", "chunk"),
+                                      ("HVDLITE_MPI_SHM_MIN_MB", "large")])
+def test_size_settings_take_auto_or_megabytes(monkeypatch, var, read):
+    from hvdlite.common.backends import mpi
+    get = shm.chunk_setting if read == "chunk" else mpi.large_bytes
+    monkeypatch.delenv(var, raising=False)
+    assert get() is None                                  # auto: measured at set-up
+    monkeypatch.setenv(var, "auto")
+    assert get() is None
+    monkeypatch.setenv(var, "2")
+    assert get() == 2 << 20
+    monkeypatch.setenv(var, "0")
+    assert get() == 0
+    for bad in ("-1", "lots", "nan"):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ValueError, match=rf"{var}='{bad}': use auto, or a size in MB"):
+            get()
+
+
 # ---------------------------------------------------------------------- in-process channels
 def _store(port: int, master: bool):
     return dist.TCPStore("127.0.0.1", port, 2, master, datetime.timedelta(seconds=30),
@@ -95,7 +114,7 @@ def _pair(monkeypatch, timeout_s: float) -> list:
         channels[r] = shm.connect(dist.PrefixStore("t1/", stores[r]), r, 2, timeout_s,
                                   _agree(dist.PrefixStore("t1a/", stores[r]), r, 2))
 
-    threads = [threading.Thread(target=connect, args=(r,)) for r in range(2)]
+    threads = [threading.Thread(target=connect, args=(r,), name=f"rank-{r}") for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -103,6 +122,86 @@ def _pair(monkeypatch, timeout_s: float) -> list:
     assert channels[0] is not None and channels[1] is not None
     assert _my_files() == [], "segment files must be unlinked once every rank mapped them"
     return channels
+
+
+def _pair_asking(monkeypatch, asks: list) -> list:
+    """_pair, with rank r's HVDLITE_SHM_CHUNK_MB read as asks[r] (bytes, or None for auto):
+    the two ranks are threads of this process, so one environment cannot differ between them."""
+    monkeypatch.setattr(shm, "chunk_setting",
+                        lambda: asks[int(threading.current_thread().name[-1])])
+    return _pair(monkeypatch, 30.0)
+
+
+@pytest.mark.timeout(120)
+def test_the_chunk_size_is_measured_once_and_agreed(monkeypatch):
+    """While every rank has a core, the channel times an allreduce in 2 MiB chunks against
+    whole slots at set-up and both ranks take the same answer (each chunk's phases pair up
+    across ranks); later channels of the same shape reuse it without measuring, unless a rank
+    does not know it; HVDLITE_SHM_CHUNK_MB overrides it, the largest any rank asks for
+    winning (0: whole slots)."""
+    monkeypatch.setattr(shm, "local_ranks", lambda size: size)
+    monkeypatch.setattr(shm, "usable_cores", lambda: 2)
+    monkeypatch.setattr(shm, "_settled", {})
+    measured = []
+    real = shm.ShmChannel._measure_chunk
+
+    def measure(self):
+        measured.append(self.rank)
+        return real(self)
+    monkeypatch.setattr(shm.ShmChannel, "_measure_chunk", measure)
+
+    def chunks(asks):
+        channels = _pair_asking(monkeypatch, asks)
+        try:
+            assert all(c.spin_s > 0 for c in channels)
+            # The chunks pair up: a fused allreduce spanning several of them is exact.
+            xs = [[torch.arange(3 << 20, dtype=torch.float32) * (r + 1), torch.full((5,), r)]
+                  for r in range(2)]
+            outs = [[torch.empty_like(t) for t in xs[r]] for r in range(2)]
+            works = [channels[r].allreduce_tensors(xs[r], outs[r], SUM, 1.0, 1.0)
+                     for r in range(2)]
+            for w in works:
+                w.wait()
+            for r in range(2):
+                assert torch.equal(outs[r][0], torch.arange(3 << 20, dtype=torch.float32) * 3)
+                assert torch.equal(outs[r][1], torch.full((5,), 1.0))
+            assert channels[0].ops == 1, "set-up collectives are not counted as the user's"
+            return [c.chunk for c in channels], channels[0].slot
+        finally:
+            for c in channels:
+                c.close()
+
+    first, slot = chunks([None, None])
+    assert sorted(measured) == [0, 1], "both ranks measure together, once"
+    assert first[0] == first[1] and first[0] in (shm.SPIN_CHUNK_BYTES, slot)
+    assert shm._settled == {(2, slot): first[0]}
+    again, _ = chunks([None, None])
+    assert again == first and len(measured) == 2, "known on every rank: agreed, not measured"
+    # One rank asks for 1 MiB, the other leaves it to the measurement: 1 MiB on both.
+    assert chunks([1 << 20, None])[0] == [1 << 20, 1 << 20]
+    # 1 MiB against whole slots (0): the largest, whole slots, on both.
+    assert chunks([1 << 20, 0])[0] == [slot, slot]
+    # A rank that does not know the answer yet (as in a new process): both measure again.
+    monkeypatch.setattr(shm, "_settled", _PerRank([{(2, slot): shm.SPIN_CHUNK_BYTES}, {}]))
+    fresh, _ = chunks([None, None])
+    assert fresh[0] == fresh[1] and len(measured) == 4
+
+
+class _PerRank(dict):
+    """A dict that is a different one for each in-process rank (thread name ends in the rank)."""
+
+    def __init__(self, dicts: list):
+        super().__init__()
+        self._dicts = dicts
+
+    def _mine(self) -> dict:
+        return self._dicts[int(threading.current_thread().name[-1])]
+
+    def get(self, key, default=None):
+        return self._mine().get(key, default)
+
+    def __setitem__(self, key, value):
+        self._mine()[key] = value
 
 
 @pytest.mark.timeout(60)

@@ -68,17 +68,24 @@ VARIABLES: tuple[Var, ...] = (
        "its own allreduce everywhere)", _L),
     _v("MPI_WAIT", "str", "auto", "`spin`, `yield` or `auto`: how MPI waits use the core; auto "
        "yields when a host runs more ranks than cores"),
-    _v("MPI_SHM_MIN_MB", "float", 8.0, "MPI ranks on one host whose waits spin move "
-       "allreduce, reducescatter, allgather and broadcast data of this size and more through "
-       "hvdlite's shared memory (faster than MPICH's there), smaller ones through MPI; 0: MPI "
-       "for all. The ranks agree: the largest value any rank sets, or 0 if one sets 0", _L),
+    _v("MPI_SHM_MIN_MB", "str", "auto", "`auto` or a size in MB: MPI ranks on one host whose "
+       "waits spin move allreduce, reducescatter, allgather and broadcast data of this size "
+       "and more through hvdlite's shared memory (faster than MPICH's there), smaller ones "
+       "through MPI; 0: MPI for all; auto: from 8 MB where shared memory allreduced 8 and 16 MB "
+       "faster than MPI at set-up, from 16 where it won at 16 MB only, else from 32 MB "
+       "(measured once a process). The ranks agree: the largest value any rank sets, 0 if one "
+       "sets 0", _L),
     _v("SHM", "str", "auto", "`auto`, `1` or `0`: ranks of a gloo job that share a host move "
        "allreduce, reducescatter, allgather and broadcast data through shared memory (/dev/shm) "
        "instead of TCP loopback, and so do ranks of an MPI job whose waits yield (more ranks "
        "than cores), or its large collectives where they spin (MPI_SHM_MIN_MB); auto: on "
        "x86-64", _L),
     _v("SHM_SLOT_MB", "float", 8.0, "per-rank shared-memory slot; larger collectives run in "
-       "chunks of this size (of at most 2 MB while every rank has a core of its own)", _L),
+       "chunks of at most this size (SHM_CHUNK_MB)", _L),
+    _v("SHM_CHUNK_MB", "str", "auto", "`auto` or a size in MB: the chunks a large "
+       "shared-memory collective runs in (0: whole slots); auto: whole slots when ranks "
+       "outnumber cores, else 2 MB chunks or whole slots, whichever allreduced 8 MB faster "
+       "when the ranks set up (once a process). The ranks agree: the largest any rank sets", _L),
     _v("DISABLE_GROUP_FUSION", "bool", False, "grouped tensors fuse only with their own group"),
     _v("HIERARCHICAL_ALLREDUCE", "bool", False,
        "reduce within each host, allreduce across hosts, broadcast within each host"),

@@ -99,6 +99,9 @@ else:
         assert torch.equal(late, torch.ones(k) * (s - 1)), f"the joined rank adds zeros ({k})"
     hvd.join()
 shm_ops = basics.engine_counters()["shm_collectives"]
-print(f"OK rank {r} shm_collectives {small_shm_ops} {shm_ops}", flush=True)
+# Where the global set's channel starts (0: no channel, or MPI for all), as the ranks agreed.
+comm = basics.engine().comms.get((0, "cpu"))
+start = getattr(comm, "shm_min_bytes", 0) if getattr(comm, "shm", None) is not None else 0
+print(f"OK rank {r} shm_collectives {small_shm_ops} {shm_ops} from {start}", flush=True)
 hvd.shutdown()
 sys.exit(0)

@@ -6,9 +6,11 @@ for them, so MPI must run with MPI_THREAD_MULTIPLE (mpi4py asks for it by defaul
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
+from typing import Optional
 
 import numpy as np
 import torch
@@ -18,6 +20,8 @@ from ..threads import local_ranks as _local_ranks, usable_cores
 from ..messages import MAX, MIN, PRODUCT, SUM
 from ..protocol import INLINE_FLOATS
 from . import shm
+
+log = logging.getLogger(__name__)
 
 try:
     from mpi4py import MPI
@@ -360,7 +364,18 @@ class AgreementRequest:
 # it through the channel against 0.76-0.77 through MPI (three alternating runs of
 # `mpiexec -n 2 python benchmarks/train_step.py --models cnn`). Broadcasts of 1-64 MiB gained
 # 1.2-1.8 x through the channel, allgathers 1.0-1.3 x.
+# On another machine of the same kind, whose cores hand each other cache lines slowly, the
+# channel lost at 16 MiB (4.5-5.0 ms against MPI's 3.1-3.3) and still won at 64 MiB (22 against
+# 29 ms). So, unless HVDLITE_MPI_SHM_MIN_MB says where, the ranks time both paths at set-up
+# (MPICommunicator._measure_large): the channel takes the sizes from the smallest of
+# CALIBRATE_MB at which it was faster there and at every larger one (never below LARGE_MB;
+# from CEILING_MB when it won at none).
 LARGE_MB = 8.0
+CALIBRATE_MB = (8, 16)
+CEILING_MB = 32
+CALIBRATE_ROUNDS = 3
+# What this process measured, by communicator size: later communicators agree on it instead.
+_settled_large: dict[int, int] = {}
 
 # A fused allreduce's members of at least this many bytes are reduced in place, one MPI call
 # each (collectives.Executor._allreduce_in_place), instead of through the fusion buffer: MPI's
@@ -369,12 +384,20 @@ LARGE_MB = 8.0
 INPLACE_MIN_BYTES = 64 << 10
 
 
-def large_bytes() -> int:
+def large_bytes() -> Optional[int]:
     """HVDLITE_MPI_SHM_MIN_MB as bytes: from this size on, collectives of ranks that spin go
-    through hvdlite's shared-memory channel instead of MPI (0 turns that off)."""
-    mb = config.env_float("MPI_SHM_MIN_MB", LARGE_MB)
-    if mb < 0:
-        raise ValueError(f"HVDLITE_MPI_SHM_MIN_MB={mb}: must be >= 0 (0 keeps MPI for all)")
+    through hvdlite's shared-memory channel instead of MPI (0 turns that off); None for `auto`
+    (the default: measured at set-up, MPICommunicator._measure_large)."""
+    value = (config.env("MPI_SHM_MIN_MB") or "auto").strip().lower()
+    if value == "auto":
+        return None
+    try:
+        mb = float(value)
+    except ValueError:
+        mb = -1.0
+    if not mb >= 0:
+        raise ValueError(f"HVDLITE_MPI_SHM_MIN_MB={value!r}: use auto, or a size in MB (0 "
+                         f"keeps MPI for all)")
     return int(mb * (1 << 20))
 
 
@@ -426,22 +449,59 @@ class MPICommunicator(shm.ShmRouted):
         # the control connections, whose waits also sleep (CNN 0.92 -> 0.88 x DDP's against
         # rounds on MPI). `store` (the set's own prefix of the job's store) carries the set-up;
         # the ranks agree over MPI.
-        # Spinning ranks keep MPI for everything below LARGE_MB and the steady state's rounds
-        # on MPI; the channel carries the larger collectives (LARGE_MB says why). The ranks
-        # agree on the size, as every rank must route a collective alike: the largest any
-        # rank asks for, or none (MPI for all) if any rank sets 0.
+        # Spinning ranks keep MPI for the smaller collectives and the steady state's rounds;
+        # the channel carries the larger ones (LARGE_MB says why and where). The ranks agree on
+        # the size, as every rank must route a collective alike: the largest any rank asks
+        # for, none (MPI for all) if any rank sets 0, measured if none sets any.
         if store is not None and rounds and self.size > 1:
             asked = comm.allgather((self.yielding, large_bytes()))
             anyone_yields = any(y for y, _ in asked)
-            from_bytes = 0 if any(b == 0 for _, b in asked) else max(b for _, b in asked)
-            if anyone_yields or from_bytes > 0:
+            said = [b for _, b in asked if b is not None]
+            from_bytes = (0 if 0 in said else max(said)) if said else None
+            if anyone_yields or from_bytes != 0:
                 self.shm = shm.connect(store, self.rank, self.size, timeout_s,
                                        self._all_agree)
             if self.shm is not None and not anyone_yields:
-                self.shm_min_bytes = from_bytes
+                self.shm_min_bytes = self._measure_large() if from_bytes is None else from_bytes
             elif self.shm is not None and self.agreement is not None:
                 self.agreement.close()
                 self.agreement = None
+
+    def _measure_large(self) -> int:
+        """Collective: the size from which the channel takes collectives here (LARGE_MB says
+        why it is measured). Each rank times an allreduce of CALIBRATE_MB through MPI and
+        through the channel, in alternating rounds; the ranks add up their medians in rank
+        order, so every rank decides alike. A process measures once per communicator size:
+        later communicators whose every rank knows the answer agree on it instead."""
+        known = self.comm.allgather(_settled_large.get(self.size))
+        if known[0] is not None and all(k == known[0] for k in known):
+            return known[0]
+        data = torch.ones(max(CALIBRATE_MB) << 18)
+        ways = {"MPI": self._allreduce, "shared memory": self.shm.allreduce}
+        took: dict[tuple, list] = {(mb, w): [] for mb in CALIBRATE_MB for w in ways}
+        for k in range(CALIBRATE_ROUNDS + 1):
+            for mb in CALIBRATE_MB:
+                x = data[:mb << 18]
+                for way, call in ways.items():
+                    t0 = time.perf_counter()
+                    call(x, MAX).wait()
+                    if k:                            # the first round warms both up
+                        took[(mb, way)].append(time.perf_counter() - t0)
+        mine = {key: sorted(v)[len(v) // 2] for key, v in took.items()}
+        every = self.comm.allgather(mine)
+        total = {key: sum(m[key] for m in every) for key in mine}
+        start = CEILING_MB
+        for mb in reversed(CALIBRATE_MB):
+            if total[(mb, "shared memory")] > total[(mb, "MPI")]:
+                break
+            start = mb
+        log.info("MPI or shared memory, allreduce ms (median, summed over %d ranks): %s; "
+                 "shared memory from %d MiB", self.size,
+                 ", ".join(f"{mb} MiB {total[(mb, 'MPI')] * 1e3:.2f} / "
+                           f"{total[(mb, 'shared memory')] * 1e3:.2f}" for mb in CALIBRATE_MB),
+                 start)
+        _settled_large[self.size] = start << 20
+        return start << 20
 
     def _all_agree(self, ok: bool) -> bool:
         """True on every rank when `ok` is True on every rank (one MPI allreduce)."""

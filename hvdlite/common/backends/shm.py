@@ -95,8 +95,18 @@ INLINE_POLL_S = 250e-6
 # 8 MiB slots with sleeping waits: 16 MiB 1.31-1.40 x faster (2.10-2.20 ms a call against
 # 2.68-3.03), 64 MiB 1.29-1.36 x (8.0-8.4 ms against 10.3-11.3); chunks of 1 and 4 MiB did
 # 1.21-1.28 x. When ranks outnumber cores the waits sleep, each wake-up costs ~50 us or more,
-# and whole slots keep them few.
+# and whole slots keep them few. That gain is the machine's, though: on another machine of the
+# same kind (2 cores whose caches hand each other lines slowly), whole slots were 1.2 x faster
+# than 2 MiB chunks at 16 MiB (3.5 against 4.3 ms). So the channel measures both at set-up
+# (ShmChannel.settle_chunk) unless HVDLITE_SHM_CHUNK_MB says which.
 SPIN_CHUNK_BYTES = 2 << 20
+# The allreduce that settle_chunk times, of a float32 tensor this large, both ways, in
+# alternating rounds; so many rounds of each (~20-40 ms at set-up on 2 ranks, once a process).
+CALIBRATE_BYTES = 8 << 20
+CALIBRATE_ROUNDS = 5
+# What this process's channels settled on by measuring, by (ranks, slot): later communicators
+# of the same shape agree on it instead of measuring again.
+_settled: dict[tuple[int, int], int] = {}
 
 
 # A collective's phases (ShmChannel's collectives): (counter target, what) at each wait.
@@ -125,6 +135,22 @@ def mode() -> str:
     if choice != "auto":
         raise ValueError(f"HVDLITE_SHM={choice!r}: use auto, 1 or 0")
     return "on" if platform.machine().lower() in ("x86_64", "amd64") else "off"
+
+
+def chunk_setting() -> Optional[int]:
+    """HVDLITE_SHM_CHUNK_MB: None for `auto` (the default), else bytes per chunk of a large
+    collective (0: whole slots)."""
+    value = (config.env("SHM_CHUNK_MB") or "auto").strip().lower()
+    if value == "auto":
+        return None
+    try:
+        mb = float(value)
+    except ValueError:
+        mb = -1.0
+    if not mb >= 0:
+        raise ValueError(f"HVDLITE_SHM_CHUNK_MB={value!r}: use auto, or a size in MB (0: whole "
+                         f"slots)")
+    return 0 if mb == 0 else max(4096, int(mb * 1024 * 1024) // 4096 * 4096)
 
 
 def slot_bytes() -> int:
@@ -324,8 +350,8 @@ class ShmChannel:
         # > 0 while every rank of this host has a core: small collectives then run on the
         # submitting thread, spinning for the peers this long (_submit).
         self.spin_s = spin_s
-        # Bytes per chunk of a large collective (SPIN_CHUNK_BYTES says why).
-        self.chunk = min(slot, SPIN_CHUNK_BYTES) if spin_s > 0 else slot
+        # Bytes per chunk of a large collective: whole slots until settle_chunk decides.
+        self.chunk = slot
         self._peers = [r for r in range(size) if r != rank]
         self.agreement = ShmAgreement(seg, rank, size, 64 * (size + 1))
         self._seg = seg
@@ -385,6 +411,57 @@ class ShmChannel:
     def broadcast(self, tensor: torch.Tensor, root: int) -> _Work:
         return self._submit(self._broadcast(_bytes(tensor), root),
                             tensor.numel() * tensor.element_size())
+
+    def settle_chunk(self) -> None:
+        """Collective: set `self.chunk`, the bytes per chunk of a large collective, alike on
+        every rank (each chunk's phases pair up across ranks, so all must cut the same).
+
+        HVDLITE_SHM_CHUNK_MB where a rank sets it (the largest any rank sets; 0 means whole
+        slots, the largest chunk). Otherwise whole slots when ranks outnumber cores (the waits
+        sleep, and each wake-up costs ~50 us or more), and while every rank has a core, 2 MiB
+        chunks or whole slots, whichever allreduced CALIBRATE_BYTES faster here, summed over
+        the ranks (SPIN_CHUNK_BYTES says why it depends on the machine). A process measures
+        once per shape of channel: later channels whose every rank knows the answer agree on
+        it instead."""
+        asked = chunk_setting()
+        key = (self.size, self.slot)
+        known = _settled.get(key, -1)
+        # One MAX allreduce: the largest chunk asked for, and the largest and (negated) the
+        # smallest chunk the ranks measured before.
+        agreed = torch.tensor([-1.0 if asked is None else float(asked or self.slot),
+                               float(known), -float(known)], dtype=torch.float64)
+        self.allreduce(agreed, MAX).wait()
+        forced, most, least = int(agreed[0]), int(agreed[1]), -int(agreed[2])
+        if forced >= 0:
+            chunk = forced
+        elif self.spin_s <= 0 or self.slot <= SPIN_CHUNK_BYTES:
+            chunk = self.slot
+        elif least >= 0 and least == most:
+            chunk = most
+        else:
+            chunk = _settled[key] = self._measure_chunk()
+        self.chunk = min(self.slot, chunk)
+        self.ops = self.inline_ops = 0      # (counts the user's collectives only)
+
+    def _measure_chunk(self) -> int:
+        """settle_chunk's measurement: 2 MiB chunks or whole slots, the ranks agreeing."""
+        data = torch.ones(min(CALIBRATE_BYTES, 4 * self.slot) // 4)
+        ways = (SPIN_CHUNK_BYTES, self.slot)
+        took: dict[int, list] = {c: [] for c in ways}
+        for k in range(CALIBRATE_ROUNDS + 1):
+            for c in ways:
+                self.chunk = c
+                t0 = time.perf_counter()
+                self.allreduce(data, MAX).wait()
+                if k:                               # the first round warms both up
+                    took[c].append(time.perf_counter() - t0)
+        total = torch.tensor([sorted(took[c])[len(took[c]) // 2] for c in ways],
+                             dtype=torch.float64)
+        self.allreduce(total, SUM).wait()           # the same bits on every rank
+        log.info("shared memory: an allreduce of %d MiB took %.2f ms in 2 MiB chunks and "
+                 "%.2f ms in whole slots (median, summed over %d ranks)",
+                 data.numel() * 4 >> 20, total[0] * 1e3, total[1] * 1e3, self.size)
+        return SPIN_CHUNK_BYTES if total[0] <= total[1] else self.slot
 
     def close(self) -> None:
         with self._cv:
@@ -611,13 +688,15 @@ class ShmChannel:
         for lo in range(0, n, per):
             m = min(per, n - lo)
             a, b = rank * m // size, (rank + 1) * m // size      # the part this rank reduces
-            # This rank's own part is read from its input, not from its slot, where nothing
+            # This rank's own part is read from its inputs, not from its slot, where nothing
             # else reads it (the peers read only their own parts of every slot): one copy of
-            # 1/size of the chunk less, when that part lies in one input and is not prescaled.
-            own = _within(ins, offsets, lo + a, lo + b) if pre == 1.0 and b > a else None
+            # 1/size of the chunk less, when it is not prescaled. Where that part spans several
+            # inputs (a fused allreduce), it is reduced input by input: 100 tensors of 4-256
+            # KiB through 8 MiB slots on 2 ranks, 4.2 ms a call against 4.9 copying it all.
+            own = pre == 1.0 and b > a
             yield self._end, "allreduce"      # peers finished the previous chunk
             mine = self._view(rank, m * item, dtype)
-            if own is not None:
+            if own:
                 for x, y in ((lo, lo + a), (lo + b, lo + m)):
                     for i, p, q in _pieces(offsets, x, y):
                         mine[p - lo:q - lo].copy_(ins[i][p - offsets[i]:q - offsets[i]])
@@ -626,14 +705,19 @@ class ShmChannel:
             else:
                 for i, p, q in _pieces(offsets, lo, lo + m):
                     mine[p - lo:q - lo].copy_(ins[i][p - offsets[i]:q - offsets[i]])
-            if own is None:
+            if not own:
                 scale_(mine, pre)
             yield self._publish(), "allreduce (inputs)"
             if b > a:
-                parts = [self._view(r, m * item, dtype)[a:b] for r in range(size)]
-                if own is not None:
-                    parts[rank] = own
-                reduce_in_order(fn, parts, self._view(-1, m * item, dtype)[a:b])
+                slots = [self._view(r, m * item, dtype) for r in range(size)]
+                res = self._view(-1, m * item, dtype)
+                if not own:
+                    reduce_in_order(fn, [v[a:b] for v in slots], res[a:b])
+                else:
+                    for i, p, q in _pieces(offsets, lo + a, lo + b):
+                        parts = [v[p - lo:q - lo] for v in slots]
+                        parts[rank] = ins[i][p - offsets[i]:q - offsets[i]]
+                        reduce_in_order(fn, parts, res[p - lo:q - lo])
             yield self._publish(), "allreduce (reduction)"
             res = self._view(-1, m * item, dtype)
             for i, a, b in _pieces(offsets, lo, lo + m):
@@ -718,15 +802,6 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's memory as flat bytes (no copy; collectives.as_bytes, which a
     backend does not import, does the same for the engine)."""
     return t.view(-1).view(torch.uint8)
-
-
-def _within(ins: list, offsets: list[int], lo: int, hi: int) -> Optional[torch.Tensor]:
-    """Elements lo..hi of the concatenated `ins` as a view of the one input that holds them
-    all, or None where they span several."""
-    i = bisect.bisect_right(offsets, lo) - 1
-    if hi > offsets[i + 1]:
-        return None
-    return ins[i][lo - offsets[i]:hi - offsets[i]]
 
 
 def _pieces(offsets: list[int], lo: int, hi: int):
@@ -929,8 +1004,14 @@ def connect(store, rank: int, size: int, timeout_s: float,
         # rounds run (GlooCommunicator.agreement), and every rank of a set must run them alike
         # (a rank pinned to fewer cores says no).
         spin = agree(local_ranks(size) <= usable_cores())
-        return ShmChannel(rank, size, timeout_s, slot, seg, pids, fifo_r, fifo_w, own_w,
-                          INLINE_POLL_S if spin else 0.0)
+        channel = ShmChannel(rank, size, timeout_s, slot, seg, pids, fifo_r, fifo_w, own_w,
+                             INLINE_POLL_S if spin else 0.0)
+        try:
+            channel.settle_chunk()
+        except BaseException:
+            channel.close()
+            raise
+        return channel
     if wanted:
         log.info("shared-memory data path off for this communicator (%s); gloo carries it",
                  why or "another rank could not share memory with all the others")
