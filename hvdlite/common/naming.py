@@ -9,12 +9,17 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from typing import Optional
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _counters: dict[tuple, int] = {}
 _claimed: set[tuple[str, int]] = set()     # (name, set id) of blocking calls in progress
 _lock = threading.Lock()
 _skip_cache: tuple | None = None
+# Per tuple of skipped directories: file name -> None where it lies in one of them, else its
+# base name. os.path.abspath per frame cost ~0.75 us, four frames deep for each unnamed
+# hvd.allreduce_ (~3 us of ~17).
+_inside: dict[tuple, dict[str, Optional[str]]] = {}
 
 
 def _framework_dirs() -> tuple:
@@ -37,12 +42,20 @@ def call_site(frameworks: bool = False) -> tuple[str, int] | None:
     """(file basename, line) of the first frame outside hvdlite (and, with `frameworks`, outside
     TensorFlow and Keras), or None when there is none."""
     skip = (_skip_cache or _framework_dirs()) if frameworks else (_PKG_DIR + os.sep,)
+    inside = _inside.get(skip)
+    if inside is None:
+        inside = _inside[skip] = {}
     frame = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path not in inside:
+            inside[path] = None if os.path.abspath(path).startswith(skip) \
+                else os.path.basename(path)
+        base = inside[path]
+        if base is not None:
+            return base, frame.f_lineno
         frame = frame.f_back
-    if frame is None:
-        return None
-    return os.path.basename(frame.f_code.co_filename), frame.f_lineno
+    return None
 
 
 def auto_name(op: str, set_id: int = 0) -> str:
