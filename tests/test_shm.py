@@ -81,7 +81,7 @@ def test_size_settings_take_auto_or_megabytes(monkeypatch, var, read):
     assert get() == 0
     for bad in ("-1", "lots", "nan"):
         monkeypatch.setenv(var, bad)
-        with pytest.raises(ValueError, match=rf"{var}='{bad}': use auto, or a size in MB"):
+        with pytest.raises(ValueError, match=rf"{var}='{bad}': use auto, or a size in MB \(0 "):
             get()
 
 

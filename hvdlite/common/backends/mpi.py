@@ -388,17 +388,8 @@ def large_bytes() -> Optional[int]:
     """HVDLITE_MPI_SHM_MIN_MB as bytes: from this size on, collectives of ranks that spin go
     through hvdlite's shared-memory channel instead of MPI (0 turns that off); None for `auto`
     (the default: measured at set-up, MPICommunicator._measure_large)."""
-    value = (config.env("MPI_SHM_MIN_MB") or "auto").strip().lower()
-    if value == "auto":
-        return None
-    try:
-        mb = float(value)
-    except ValueError:
-        mb = -1.0
-    if not mb >= 0:
-        raise ValueError(f"HVDLITE_MPI_SHM_MIN_MB={value!r}: use auto, or a size in MB (0 "
-                         f"keeps MPI for all)")
-    return int(mb * (1 << 20))
+    mb = config.env_megabytes("MPI_SHM_MIN_MB", "keeps MPI for all")
+    return None if mb is None else int(mb * (1 << 20))
 
 
 class MPICommunicator(shm.ShmRouted):

@@ -140,17 +140,10 @@ def mode() -> str:
 def chunk_setting() -> Optional[int]:
     """HVDLITE_SHM_CHUNK_MB: None for `auto` (the default), else bytes per chunk of a large
     collective (0: whole slots)."""
-    value = (config.env("SHM_CHUNK_MB") or "auto").strip().lower()
-    if value == "auto":
-        return None
-    try:
-        mb = float(value)
-    except ValueError:
-        mb = -1.0
-    if not mb >= 0:
-        raise ValueError(f"HVDLITE_SHM_CHUNK_MB={value!r}: use auto, or a size in MB (0: whole "
-                         f"slots)")
-    return 0 if mb == 0 else max(4096, int(mb * 1024 * 1024) // 4096 * 4096)
+    mb = config.env_megabytes("SHM_CHUNK_MB", "means whole slots")
+    if mb is None or mb == 0:
+        return None if mb is None else 0
+    return max(4096, int(mb * 1024 * 1024) // 4096 * 4096)
 
 
 def slot_bytes() -> int:
