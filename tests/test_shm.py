@@ -66,23 +66,31 @@ def test_shm_mode_rejects_a_bad_value(monkeypatch):
         shm.mode()
 
 
-@pytest.mark.parametrize("var,read", [("HVDLITE_SHM_CHUNK_MB", "chunk"),
-                                      ("HVDLITE_MPI_SHM_MIN_MB", "large")])
-def test_size_settings_take_auto_or_megabytes(monkeypatch, var, read):
-    from hvdlite.common.backends import mpi
-    get = shm.chunk_setting if read == "chunk" else mpi.large_bytes
-    monkeypatch.delenv(var, raising=False)
-    assert get() is None                                  # auto: measured at set-up
-    monkeypatch.setenv(var, "auto")
-    assert get() is None
-    monkeypatch.setenv(var, "2")
-    assert get() == 2 << 20
-    monkeypatch.setenv(var, "0")
-    assert get() == 0
+def test_the_chunk_setting_takes_auto_or_megabytes(monkeypatch):
+    monkeypatch.delenv("HVDLITE_SHM_CHUNK_MB", raising=False)
+    assert shm.chunk_setting() is None                    # auto: measured at set-up
+    monkeypatch.setenv("HVDLITE_SHM_CHUNK_MB", "auto")
+    assert shm.chunk_setting() is None
+    monkeypatch.setenv("HVDLITE_SHM_CHUNK_MB", "2")
+    assert shm.chunk_setting() == 2 << 20
+    monkeypatch.setenv("HVDLITE_SHM_CHUNK_MB", "0")
+    assert shm.chunk_setting() == 0                       # whole slots
     for bad in ("-1", "lots", "nan"):
-        monkeypatch.setenv(var, bad)
-        with pytest.raises(ValueError, match=rf"{var}='{bad}': use auto, or a size in MB \(0 "):
-            get()
+        monkeypatch.setenv("HVDLITE_SHM_CHUNK_MB", bad)
+        with pytest.raises(ValueError, match=rf"HVDLITE_SHM_CHUNK_MB='{bad}': use auto, or a "
+                                             rf"size in MB \(0 means whole slots\)"):
+            shm.chunk_setting()
+
+
+def test_mpi_takes_the_channel_from_32_mib_unless_told(monkeypatch):
+    from hvdlite.common.backends import mpi
+    monkeypatch.delenv("HVDLITE_MPI_SHM_MIN_MB", raising=False)
+    assert mpi.large_bytes() == 32 << 20
+    monkeypatch.setenv("HVDLITE_MPI_SHM_MIN_MB", "0.5")
+    assert mpi.large_bytes() == 512 << 10
+    monkeypatch.setenv("HVDLITE_MPI_SHM_MIN_MB", "-1")
+    with pytest.raises(ValueError, match="must be >= 0"):
+        mpi.large_bytes()
 
 
 # ---------------------------------------------------------------------- in-process channels

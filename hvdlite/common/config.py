@@ -68,13 +68,10 @@ VARIABLES: tuple[Var, ...] = (
        "its own allreduce everywhere)", _L),
     _v("MPI_WAIT", "str", "auto", "`spin`, `yield` or `auto`: how MPI waits use the core; auto "
        "yields when a host runs more ranks than cores"),
-    _v("MPI_SHM_MIN_MB", "str", "auto", "`auto` or a size in MB: MPI ranks on one host whose "
-       "waits spin move allreduce, reducescatter, allgather and broadcast data of this size "
-       "and more through hvdlite's shared memory (faster than MPICH's there), smaller ones "
-       "through MPI; 0: MPI for all; auto: from 8 MB where shared memory allreduced 8 and 16 MB "
-       "faster than MPI at set-up, from 16 where it won at 16 MB only, else from 32 MB "
-       "(measured once a process). The ranks agree: the largest value any rank sets, 0 if one "
-       "sets 0", _L),
+    _v("MPI_SHM_MIN_MB", "float", 32.0, "MPI ranks on one host whose waits spin move "
+       "allreduce, reducescatter, allgather and broadcast data of this size and more through "
+       "hvdlite's shared memory (faster than MPICH's there), smaller ones through MPI; 0: MPI "
+       "for all. The ranks agree: the largest value any rank sets, or 0 if one sets 0", _L),
     _v("SHM", "str", "auto", "`auto`, `1` or `0`: ranks of a gloo job that share a host move "
        "allreduce, reducescatter, allgather and broadcast data through shared memory (/dev/shm) "
        "instead of TCP loopback, and so do ranks of an MPI job whose waits yield (more ranks "

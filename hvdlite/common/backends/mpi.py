@@ -6,11 +6,9 @@ for them, so MPI must run with MPI_THREAD_MULTIPLE (mpi4py asks for it by defaul
 """
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import time
-from typing import Optional
 
 import numpy as np
 import torch
@@ -20,8 +18,6 @@ from ..threads import local_ranks as _local_ranks, usable_cores
 from ..messages import MAX, MIN, PRODUCT, SUM
 from ..protocol import INLINE_FLOATS
 from . import shm
-
-log = logging.getLogger(__name__)
 
 try:
     from mpi4py import MPI
@@ -359,23 +355,23 @@ class AgreementRequest:
 # MPI against the channel: with warm caches 1 MiB 163 / 121 us, 4 MiB 0.55 / 0.41 ms, 16 MiB
 # 4.0 / 2.1 ms, 64 MiB 33.1 / 8.0 ms; with the caches flushed before each call (as after a
 # backward pass) 1 MiB 0.32 / 0.33 ms, 4 MiB 0.97 / 0.96, 8 MiB 1.93 / 1.50, 16 MiB 4.5 / 2.6,
-# 32 MiB 16.6 / 4.5. Hence 8 MiB: below it the channel gains nothing cold, and the CNN of
-# benchmarks/train_step.py, whose one flat buffer holds 4.4 MB, stepped at 0.78-0.80 x DDP with
-# it through the channel against 0.76-0.77 through MPI (three alternating runs of
+# 32 MiB 16.6 / 4.5. They first set 8 MiB: below it the channel gained nothing cold, and the
+# CNN of benchmarks/train_step.py, whose one flat buffer holds 4.4 MB, stepped at 0.78-0.80 x
+# DDP with it through the channel against 0.76-0.77 through MPI (three alternating runs of
 # `mpiexec -n 2 python benchmarks/train_step.py --models cnn`). Broadcasts of 1-64 MiB gained
 # 1.2-1.8 x through the channel, allgathers 1.0-1.3 x.
-# On another machine of the same kind, whose cores hand each other cache lines slowly, the
-# channel lost at 16 MiB (4.5-5.0 ms against MPI's 3.1-3.3) and still won at 64 MiB (22 against
-# 29 ms). So, unless HVDLITE_MPI_SHM_MIN_MB says where, the ranks time both paths at set-up
-# (MPICommunicator._measure_large): the channel takes the sizes from the smallest of
-# CALIBRATE_MB at which it was faster there and at every larger one (never below LARGE_MB;
-# from CEILING_MB when it won at none).
-LARGE_MB = 8.0
-CALIBRATE_MB = (8, 16)
-CEILING_MB = 32
-CALIBRATE_ROUNDS = 3
-# What this process measured, by communicator size: later communicators agree on it instead.
-_settled_large: dict[int, int] = {}
+# Those figures came from the same processes switching between the two paths, which
+# understates MPICH: its large-message path needs ~15-20 calls of one size to reach its steady
+# speed, and falls back after the channel ran in between (16 MiB on another machine of this
+# kind: 7.2 ms for the first call, 2.2 from the 17th on; 4.5 ms again after five calls through
+# the channel). Timed in steady state there, each path in processes of its own (2 ranks, the
+# median of the last 10 of 30 calls), MPI against the channel: 8 MiB 1.1-1.3 / 1.6 ms, 16 MiB
+# 2.2-2.6 / 3.1-3.4, 24 MiB 4.0-4.3 / 4.8-5.1, 32 MiB 11.8-12.7 / 6.4-6.5, 48 MiB 19.8-21.6 /
+# 11.2-11.5: MPICH falls off between 24 and 32 MiB, and the channel wins from there on by far,
+# as it did on the first machine. (A measurement at set-up, tried instead of a fixed size,
+# caught MPICH before its steady state and sent 8 and 16 MiB to the channel, 1.3-1.4 x slower
+# there; measuring the steady state would take ~0.3 s of every MPI job's start.) Hence 32 MiB.
+LARGE_MB = 32.0
 
 # A fused allreduce's members of at least this many bytes are reduced in place, one MPI call
 # each (collectives.Executor._allreduce_in_place), instead of through the fusion buffer: MPI's
@@ -384,12 +380,13 @@ _settled_large: dict[int, int] = {}
 INPLACE_MIN_BYTES = 64 << 10
 
 
-def large_bytes() -> Optional[int]:
+def large_bytes() -> int:
     """HVDLITE_MPI_SHM_MIN_MB as bytes: from this size on, collectives of ranks that spin go
-    through hvdlite's shared-memory channel instead of MPI (0 turns that off); None for `auto`
-    (the default: measured at set-up, MPICommunicator._measure_large)."""
-    mb = config.env_megabytes("MPI_SHM_MIN_MB", "keeps MPI for all")
-    return None if mb is None else int(mb * (1 << 20))
+    through hvdlite's shared-memory channel instead of MPI (0 turns that off)."""
+    mb = config.env_float("MPI_SHM_MIN_MB", LARGE_MB)
+    if not mb >= 0:
+        raise ValueError(f"HVDLITE_MPI_SHM_MIN_MB={mb}: must be >= 0 (0 keeps MPI for all)")
+    return int(mb * (1 << 20))
 
 
 class MPICommunicator(shm.ShmRouted):
@@ -440,59 +437,22 @@ class MPICommunicator(shm.ShmRouted):
         # the control connections, whose waits also sleep (CNN 0.92 -> 0.88 x DDP's against
         # rounds on MPI). `store` (the set's own prefix of the job's store) carries the set-up;
         # the ranks agree over MPI.
-        # Spinning ranks keep MPI for the smaller collectives and the steady state's rounds;
-        # the channel carries the larger ones (LARGE_MB says why and where). The ranks agree on
-        # the size, as every rank must route a collective alike: the largest any rank asks
-        # for, none (MPI for all) if any rank sets 0, measured if none sets any.
+        # Spinning ranks keep MPI for everything below LARGE_MB and the steady state's rounds
+        # on MPI; the channel carries the larger collectives (LARGE_MB says why). The ranks
+        # agree on the size, as every rank must route a collective alike: the largest any
+        # rank asks for, or none (MPI for all) if any rank sets 0.
         if store is not None and rounds and self.size > 1:
             asked = comm.allgather((self.yielding, large_bytes()))
             anyone_yields = any(y for y, _ in asked)
-            said = [b for _, b in asked if b is not None]
-            from_bytes = (0 if 0 in said else max(said)) if said else None
-            if anyone_yields or from_bytes != 0:
+            from_bytes = 0 if any(b == 0 for _, b in asked) else max(b for _, b in asked)
+            if anyone_yields or from_bytes > 0:
                 self.shm = shm.connect(store, self.rank, self.size, timeout_s,
                                        self._all_agree)
             if self.shm is not None and not anyone_yields:
-                self.shm_min_bytes = self._measure_large() if from_bytes is None else from_bytes
+                self.shm_min_bytes = from_bytes
             elif self.shm is not None and self.agreement is not None:
                 self.agreement.close()
                 self.agreement = None
-
-    def _measure_large(self) -> int:
-        """Collective: the size from which the channel takes collectives here (LARGE_MB says
-        why it is measured). Each rank times an allreduce of CALIBRATE_MB through MPI and
-        through the channel, in alternating rounds; the ranks add up their medians in rank
-        order, so every rank decides alike. A process measures once per communicator size:
-        later communicators whose every rank knows the answer agree on it instead."""
-        known = self.comm.allgather(_settled_large.get(self.size))
-        if known[0] is not None and all(k == known[0] for k in known):
-            return known[0]
-        data = torch.ones(max(CALIBRATE_MB) << 18)
-        ways = {"MPI": self._allreduce, "shared memory": self.shm.allreduce}
-        took: dict[tuple, list] = {(mb, w): [] for mb in CALIBRATE_MB for w in ways}
-        for k in range(CALIBRATE_ROUNDS + 1):
-            for mb in CALIBRATE_MB:
-                x = data[:mb << 18]
-                for way, call in ways.items():
-                    t0 = time.perf_counter()
-                    call(x, MAX).wait()
-                    if k:                            # the first round warms both up
-                        took[(mb, way)].append(time.perf_counter() - t0)
-        mine = {key: sorted(v)[len(v) // 2] for key, v in took.items()}
-        every = self.comm.allgather(mine)
-        total = {key: sum(m[key] for m in every) for key in mine}
-        start = CEILING_MB
-        for mb in reversed(CALIBRATE_MB):
-            if total[(mb, "shared memory")] > total[(mb, "MPI")]:
-                break
-            start = mb
-        log.info("MPI or shared memory, allreduce ms (median, summed over %d ranks): %s; "
-                 "shared memory from %d MiB", self.size,
-                 ", ".join(f"{mb} MiB {total[(mb, 'MPI')] * 1e3:.2f} / "
-                           f"{total[(mb, 'shared memory')] * 1e3:.2f}" for mb in CALIBRATE_MB),
-                 start)
-        _settled_large[self.size] = start << 20
-        return start << 20
 
     def _all_agree(self, ok: bool) -> bool:
         """True on every rank when `ok` is True on every rank (one MPI allreduce)."""

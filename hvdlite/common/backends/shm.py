@@ -101,7 +101,8 @@ INLINE_POLL_S = 250e-6
 # (ShmChannel.settle_chunk) unless HVDLITE_SHM_CHUNK_MB says which.
 SPIN_CHUNK_BYTES = 2 << 20
 # The allreduce that settle_chunk times, of a float32 tensor this large, both ways, in
-# alternating rounds; so many rounds of each (~20-40 ms at set-up on 2 ranks, once a process).
+# rounds that alternate which goes first; so many rounds of each (~40 ms at set-up on 2 ranks,
+# once a process).
 CALIBRATE_BYTES = 8 << 20
 CALIBRATE_ROUNDS = 5
 # What this process's channels settled on by measuring, by (ranks, slot): later communicators
@@ -439,15 +440,23 @@ class ShmChannel:
     def _measure_chunk(self) -> int:
         """settle_chunk's measurement: 2 MiB chunks or whole slots, the ranks agreeing."""
         data = torch.ones(min(CALIBRATE_BYTES, 4 * self.slot) // 4)
+        tick = torch.zeros(1)
         ways = (SPIN_CHUNK_BYTES, self.slot)
         took: dict[int, list] = {c: [] for c in ways}
-        for k in range(CALIBRATE_ROUNDS + 1):
-            for c in ways:
+        for k in range(CALIBRATE_ROUNDS):
+            for c in (ways if k % 2 == 0 else ways[::-1]):
                 self.chunk = c
-                t0 = time.perf_counter()
-                self.allreduce(data, MAX).wait()
-                if k:                               # the first round warms both up
-                    took[c].append(time.perf_counter() - t0)
+                # Each way's timed call follows an untimed one: timed right after the other
+                # way, a call paid for the caches that way left behind (MPI against the channel,
+                # so timed, looked 1.5 x slower at 8 MiB than it runs back to back or after a
+                # backward pass). And the ranks start each call together: otherwise a call also
+                # waits for the peers still copying out the call before.
+                for timed in (False, True):
+                    self.allreduce(tick, MAX).wait()
+                    t0 = time.perf_counter()
+                    self.allreduce(data, SUM).wait()
+                    if timed:
+                        took[c].append(time.perf_counter() - t0)
         total = torch.tensor([sorted(took[c])[len(took[c]) // 2] for c in ways],
                              dtype=torch.float64)
         self.allreduce(total, SUM).wait()           # the same bits on every rank
