@@ -446,11 +446,12 @@ class ShmChannel:
         for k in range(CALIBRATE_ROUNDS):
             for c in (ways if k % 2 == 0 else ways[::-1]):
                 self.chunk = c
-                # Each way's timed call follows an untimed one: timed right after the other
-                # way, a call paid for the caches that way left behind (MPI against the channel,
-                # so timed, looked 1.5 x slower at 8 MiB than it runs back to back or after a
-                # backward pass). And the ranks start each call together: otherwise a call also
-                # waits for the peers still copying out the call before.
+                # Each way's timed call follows an untimed one of the same way, so it does not
+                # pay for the state the other way left behind; and the ranks start each call
+                # together, or a call would also wait for the peers still copying out the one
+                # before. (Both ways are this channel's: MPICH, against which a short
+                # measurement like this one misled, needs ~15-20 calls to reach its speed:
+                # backends/mpi.LARGE_MB.)
                 for timed in (False, True):
                     self.allreduce(tick, MAX).wait()
                     t0 = time.perf_counter()
@@ -694,7 +695,7 @@ class ShmChannel:
             # else reads it (the peers read only their own parts of every slot): one copy of
             # 1/size of the chunk less, when it is not prescaled. Where that part spans several
             # inputs (a fused allreduce), it is reduced input by input: 100 tensors of 4-256
-            # KiB through 8 MiB slots on 2 ranks, 4.2 ms a call against 4.9 copying it all.
+            # KiB through 8 MiB slots on 2 ranks, 3.8-3.9 ms a call against 4.9 copying it all.
             own = pre == 1.0 and b > a
             yield self._end, "allreduce"      # peers finished the previous chunk
             mine = self._view(rank, m * item, dtype)
