@@ -96,8 +96,8 @@ INLINE_POLL_S = 250e-6
 # 2.68-3.03), 64 MiB 1.29-1.36 x (8.0-8.4 ms against 10.3-11.3); chunks of 1 and 4 MiB did
 # 1.21-1.28 x. When ranks outnumber cores the waits sleep, each wake-up costs ~50 us or more,
 # and whole slots keep them few. That gain is the machine's, though: on another machine of the
-# same kind (2 cores whose caches hand each other lines slowly), whole slots were 1.2 x faster
-# than 2 MiB chunks at 16 MiB (3.5 against 4.3 ms). So the channel measures both at set-up
+# same kind, whole slots were 1.2 x faster than 2 MiB chunks at 16 MiB (3.5 against 4.3 ms),
+# for a reason not pinned down (plain copies between its two cores ran as fast as within one). So the channel measures both at set-up
 # (ShmChannel.settle_chunk) unless HVDLITE_SHM_CHUNK_MB says which.
 SPIN_CHUNK_BYTES = 2 << 20
 # The allreduce that settle_chunk times, of a float32 tensor this large, both ways, in
