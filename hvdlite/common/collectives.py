@@ -375,8 +375,7 @@ class Executor:
                 yield work
                 for out in targets:
                     scale_(out, post)
-                done = set(direct)
-                big = [i for i in big if i not in done]
+                big = []                           # (direct was all of them)
         for i in big:
             src, out = inputs[i], outputs[i]
             if out is None:                        # a joined rank's zeros: reduced, then dropped

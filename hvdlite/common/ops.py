@@ -253,10 +253,11 @@ def whole_pass() -> bool:
 
 
 def fuses_in_place(process_set=None) -> bool:
-    """Whether this rank's transport for the set fuses CPU allreduces with no fusion buffer (gloo
-    or MPI through shared memory: backends/shm.ShmRouted), so gradients kept in one flat buffer
-    (torch/flat_grads.py) would only add a copy to a step. False before the set's first
-    collective has made its communicator.
+    """Whether this rank's transport for the set fuses CPU allreduces of every size with no
+    fusion buffer (through shared memory: gloo's channel on one host, or MPI's where ranks
+    outnumber cores; not MPI's large collectives alone, backends/shm.ShmRouted), so gradients
+    kept in one flat buffer (torch/flat_grads.py) would only add a copy to a step. False
+    before the set's first collective has made its communicator.
 
     Why a frontend asks: elsewhere (MPI on one core per rank, gloo over TCP) a fused step's
     gradients are copied into a fusion buffer and back, or reduced with one call each, and one
