@@ -284,21 +284,6 @@ def env_float(name: str, default: float) -> float:
         raise ValueError(f"HVDLITE_{name}/HOROVOD_{name} must be a number, got {value!r}") from None
 
 
-def env_megabytes(name: str, zero: str) -> float | None:
-    """HVDLITE_<name> as `auto` (None, the default: the caller measures) or a size in MB (>= 0;
-    `zero` says what 0 means, for the error message)."""
-    value = (env(name) or "auto").strip().lower()
-    if value == "auto":
-        return None
-    try:
-        mb = float(value)
-    except ValueError:
-        mb = -1.0
-    if not mb >= 0:                      # (also refuses nan)
-        raise ValueError(f"HVDLITE_{name}={value!r}: use auto, or a size in MB (0 {zero})")
-    return mb
-
-
 def env_bool(name: str, default: bool = False) -> bool:
     value = env(name)
     if value is None:

@@ -97,8 +97,9 @@ INLINE_POLL_S = 250e-6
 # 1.21-1.28 x. When ranks outnumber cores the waits sleep, each wake-up costs ~50 us or more,
 # and whole slots keep them few. That gain is the machine's, though: on another machine of the
 # same kind, whole slots were 1.2 x faster than 2 MiB chunks at 16 MiB (3.5 against 4.3 ms),
-# for a reason not pinned down (plain copies between its two cores ran as fast as within one). So the channel measures both at set-up
-# (ShmChannel.settle_chunk) unless HVDLITE_SHM_CHUNK_MB says which.
+# for a reason not pinned down (plain copies between its two cores ran as fast as within
+# one). So the channel measures both at set-up (ShmChannel.settle_chunk) unless
+# HVDLITE_SHM_CHUNK_MB says which.
 SPIN_CHUNK_BYTES = 2 << 20
 # The allreduce that settle_chunk times, of a float32 tensor this large, both ways, in
 # rounds that alternate which goes first; so many rounds of each (~40 ms at set-up on 2 ranks,
@@ -141,10 +142,17 @@ def mode() -> str:
 def chunk_setting() -> Optional[int]:
     """HVDLITE_SHM_CHUNK_MB: None for `auto` (the default), else bytes per chunk of a large
     collective (0: whole slots)."""
-    mb = config.env_megabytes("SHM_CHUNK_MB", "means whole slots")
-    if mb is None or mb == 0:
-        return None if mb is None else 0
-    return max(4096, int(mb * 1024 * 1024) // 4096 * 4096)
+    value = (config.env("SHM_CHUNK_MB") or "auto").strip().lower()
+    if value == "auto":
+        return None
+    try:
+        mb = float(value)
+    except ValueError:
+        mb = -1.0
+    if not mb >= 0:                      # (also refuses nan)
+        raise ValueError(f"HVDLITE_SHM_CHUNK_MB={value!r}: use auto, or a size in MB (0 means "
+                         f"whole slots)")
+    return 0 if mb == 0 else max(4096, int(mb * 1024 * 1024) // 4096 * 4096)
 
 
 def slot_bytes() -> int:
@@ -711,9 +719,9 @@ class ShmChannel:
             if not own:
                 scale_(mine, pre)
             yield self._publish(), "allreduce (inputs)"
+            res = self._view(-1, m * item, dtype)
             if b > a:
                 slots = [self._view(r, m * item, dtype) for r in range(size)]
-                res = self._view(-1, m * item, dtype)
                 if not own:
                     reduce_in_order(fn, [v[a:b] for v in slots], res[a:b])
                 else:
@@ -722,7 +730,6 @@ class ShmChannel:
                         parts[rank] = ins[i][p - offsets[i]:q - offsets[i]]
                         reduce_in_order(fn, parts, res[p - lo:q - lo])
             yield self._publish(), "allreduce (reduction)"
-            res = self._view(-1, m * item, dtype)
             for i, a, b in _pieces(offsets, lo, lo + m):
                 if outs[i] is not None:
                     copy_scaled(outs[i][a - offsets[i]:b - offsets[i]], res[a - lo:b - lo], post)
