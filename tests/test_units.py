@@ -1,4 +1,7 @@
 """Single-process checks of pure pieces of the engine (the multi-process tests cover the rest)."""
+import math
+
+import pytest
 import torch
 
 from hvdlite.common.collectives import FusionBuffer
@@ -61,6 +64,36 @@ def test_pack_and_unpack_round_trip_fused_groups_with_zeros_and_strides():
     ints = [torch.empty(2, dtype=torch.int32), torch.empty(1, dtype=torch.int32)]
     unpack(torch.tensor([3, 5, 7], dtype=torch.int32), ints, [2, 1], 0.5)
     assert ints[0].tolist() == [1, 2] and ints[1].tolist() == [3]     # truncated, as Horovod
+
+
+@pytest.mark.parametrize("views", ["torch", "loop"])
+def test_unpack_matches_a_member_by_member_copy_for_every_float_dtype_and_size(monkeypatch, views):
+    """unpack's one-call views, and its multi-tensor scaling of small members, give the bits a
+    member-by-member torch.mul gives: for float32/64 (scaled after the copy when small) and
+    16-bit floats (always torch.mul), with skipped, non-contiguous and empty outputs."""
+    from hvdlite.common import collectives
+    if views == "loop":                                 # as if torch dropped its helper
+        monkeypatch.setattr(collectives, "_unflatten", None)
+    g = torch.Generator().manual_seed(0)
+    layouts = [[(2, 3), (4,), (), (0,), (5, 1)],        # small members: scaled in one call
+               [(300, 100), (7,), (128, 128)]]          # large ones: one torch.mul each
+    for shapes in layouts:
+        counts = [math.prod(s) for s in shapes]
+        base = torch.randn(sum(counts), generator=g)
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            buf = base.to(dtype)
+            for scale in (1.0, 0.5, 1 / 3):
+                for skip in (None, 1):
+                    outs = [None if i == skip else
+                            (torch.zeros(s[::-1], dtype=dtype).t() if len(s) == 2
+                             else torch.zeros(s, dtype=dtype)) for i, s in enumerate(shapes)]
+                    collectives.unpack(buf, outs, counts, scale)
+                    at = 0
+                    for out, s, n in zip(outs, shapes, counts):
+                        if out is not None:
+                            want = torch.mul(buf[at:at + n].view(s), scale)
+                            assert torch.equal(out, want), (shapes, dtype, scale, s)
+                        at += n
 
 
 def test_fusion_buffers_are_aligned_for_every_dtype():
