@@ -47,8 +47,8 @@ class _State:
         self.dynamic = False
         self.add_counter = 0
         self.transport = "gloo"
-        # (set, name) -> the last request of a blocking allreduce under that name, reused while
-        # the call's signature is unchanged (ops._allreduce_now).
+        # (set, name) -> the last request of a named allreduce under that name, reused while
+        # the call's signature is unchanged (ops._allreduce_request).
         self.requests: dict = {}
 
 

@@ -127,7 +127,9 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     """Asynchronous in-place allreduce."""
     op = handle_average_backwards_compatibility(op, average)
     _check_inplace(tensor)
-    t = tensor.detach()                # one object as input and output: reduced in place
+    # One object as input and output: reduced in place. Detached only where autograd records
+    # it or it is a view (the op layer would detach it again, as a different object).
+    t = tensor.detach() if tensor.requires_grad or tensor._is_view() else tensor
     return _allreduce_async([t], [t], name, op, prescale_factor,
                             postscale_factor, process_set, grouped=False)
 

@@ -33,8 +33,9 @@ shared memory the collective runs there too, ShmChannel._submit). Checks:
   to the steady state;
 - compacted: after more changed signatures of one name than steady.COMPACT_WIDTH, the rounds
   carry only the live bits ("D"'s slots), stay on the transport and release the right tensors;
-- reuse: one name whose blocking allreduce changes op, scale factors, shape or dtype right
-  after the set became steady reduces as asked every time;
+- reuse: one name whose allreduce (blocking, asynchronous, in place, in a batch) changes op,
+  scale factors, shape or dtype right after the set became steady reduces as asked every
+  time, and a shape that differs across ranks still raises the mismatch error;
 - payload: a blocking allreduce of a small float32 tensor rides in its round
   (backends/mpi.Agreement, shm.ShmAgreement): sums, averages, pre- and postscaled ones and a
   tensor that fills the payload exactly finish with no data collective; one element more,
@@ -433,10 +434,14 @@ def payload():
 
 
 def reuse():
-    """One name, its blocking allreduce's signature changed (op, scale factors, shape, dtype)
-    right after the set became steady on the plain call: the request kept for the name
-    (ops._allreduce_now) is never reused for a different signature, so every call reduces as
-    asked (a stale request would match the plain call's cache bit and be released as it)."""
+    """One name, its allreduce's signature changed (op, scale factors, shape, dtype) right after
+    the set became steady on the plain call, through each way a named allreduce is submitted:
+    blocking, asynchronous out of place and in place, and in a batch (the DistributedOptimizer's
+    deferred gradients). The request kept for the name (ops._allreduce_request) is never reused
+    for a different signature, so every call reduces as asked (a stale request would match the
+    plain call's cache bit and be released as it); and a shape that differs across ranks on the
+    asynchronous path still raises the coordinator's mismatch error on both ranks."""
+    from hvdlite.torch.mpi_ops import _allreduce_batch_async
     plain = ({"op": hvd.Sum}, (6,), torch.float32)
     variants = [({}, (6,), torch.float32),
                 ({"op": hvd.Sum, "prescale_factor": 2.0}, (6,), torch.float32),
@@ -445,7 +450,21 @@ def reuse():
                 ({"op": hvd.Sum}, (6,), torch.float64),
                 ({"op": hvd.Max}, (6,), torch.float32)]
 
-    def call(kw, shape, dtype, salt):
+    def submit(how, x, name, kw):
+        if how == "blocking":
+            return hvd.allreduce(x, name=name, **kw)
+        if how == "async":
+            return hvd.synchronize(hvd.allreduce_async(x, name=name, **kw))
+        if how == "async_":
+            hvd.synchronize(hvd.allreduce_async_(x, name=name, **kw))
+            return x
+        op = kw.get("op", hvd.Average)
+        [h] = _allreduce_batch_async([x], [name], op, kw.get("prescale_factor", 1.0),
+                                     kw.get("postscale_factor", 1.0), hvd.global_process_set)
+        hvd.synchronize(h)
+        return x
+
+    def call(how, kw, shape, dtype, salt):
         xs = [gen(r, shape, dtype, salt=salt) for r in range(size)]
         if kw.get("op") == hvd.Max:
             want = torch.stack(xs).max(0).values
@@ -454,15 +473,31 @@ def reuse():
         else:
             want = sum(x * kw.get("prescale_factor", 1.0) for x in xs) \
                 * kw.get("postscale_factor", 1.0)
-        same(hvd.allreduce(xs[rank], name="r.reuse", **kw), want, f"reuse {salt}")
+        same(submit(how, xs[rank].clone(), f"r.reuse.{how}", kw), want, f"reuse {how} {salt}")
 
-    for i, variant in enumerate(variants):
-        for k in range(6):
-            call(*plain, salt=("rp", i, k))
-        steady = basics._state.engine.steady.get(0) is not None
-        call(*variant, salt=("rv", i))
-        if not steady:
-            fail(f"reuse {i}: the set was not steady before the changed call: {counters()}")
+    for how in ("blocking", "async", "async_", "batch"):
+        for i, variant in enumerate(variants):
+            for k in range(6):
+                call(how, *plain, salt=("rp", how, i, k))
+            steady = basics._state.engine.steady.get(0) is not None
+            call(how, *variant, salt=("rv", how, i))
+            if not steady:
+                fail(f"reuse {how} {i}: the set was not steady before the changed call: "
+                     f"{counters()}")
+    # Steady on the plain call again, then a shape that differs across ranks.
+    for k in range(6):
+        call("async_", *plain, salt=("rm", k))
+    shape = (4,) if rank == 1 else (3,)
+    try:
+        submit("async_", torch.ones(shape), "r.reuse.async_", {"op": hvd.Sum})
+    except hvd.HorovodInternalError as exc:
+        expected = ("Mismatched ALLREDUCE tensor shapes on tensor 'r.reuse.async_': rank 0 sent "
+                    "shape [3] but rank 1 sent shape [4].")
+        if expected not in str(exc):
+            fail(f"unexpected error: {exc}")
+    else:
+        fail("a shape mismatch on the asynchronous path after the steady state did not raise")
+    call("async_", *plain, salt=("ra",))
 
 
 check("inline", inline)
