@@ -107,12 +107,16 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol=1e-6, at
         fail(f"{what}: {exc}")
 
 
-def shape_mismatch(name: str) -> None:
+def shape_mismatch(name: str, submit=None) -> None:
     """Allreduce `name` with shape [4] on rank 1 and [3] elsewhere: every rank must raise the
-    coordinator's mismatch error, naming the tensor and both shapes."""
+    coordinator's mismatch error, naming the tensor and both shapes. `submit(tensor, name)`
+    makes the call another way than the blocking `hvd.allreduce` (sum)."""
     shape = (4,) if hvd.rank() == 1 else (3,)
     try:
-        hvd.allreduce(torch.ones(shape), name=name, op=hvd.Sum)
+        if submit is None:
+            hvd.allreduce(torch.ones(shape), name=name, op=hvd.Sum)
+        else:
+            submit(torch.ones(shape), name)
     except hvd.HorovodInternalError as exc:
         expected = (f"Mismatched ALLREDUCE tensor shapes on tensor '{name}': rank 0 sent shape "
                     f"[3] but rank 1 sent shape [4]. ALLREDUCE needs the same shape on every rank.")
