@@ -878,7 +878,8 @@ class ShmRouted:
         if self.shm is None:
             return None
         # The size first: under MPI most fused batches are below shm_min_bytes, and the sum
-        # costs a fraction of checking every member and output (~0.25 us each).
+        # costs a third of checking every member and output (~0.2 us each: 100 members, 14
+        # against 42 us).
         if self.shm_min_bytes and \
                 sum(t.numel() * t.element_size() for t in inputs) < self.shm_min_bytes:
             return None
