@@ -285,6 +285,28 @@ def one_rank(root: str) -> list[str]:
     return out
 
 
+def job_start(root: str) -> list[str]:
+    d = _load(root, "job_start")
+    if d is None:
+        return []
+    sec, labels = d["seconds"], (
+        ("hvdlite", "`hvdlite-run` (rank 0 serves the store)"),
+        ("hvdlite_store_on_driver", "`hvdlite-run`, `HVDLITE_STORE_ON_DRIVER=1` (as before)"),
+        ("torchrun", "`torchrun --standalone` (peer)"),
+        ("floor", f"floor: {d['np']} × `import torch` at once"))
+    out = [f"| {d['np']} ranks: launch, join, one allreduce, shut down | s (spread) |",
+           "|---|---|"]
+    for key, label in labels:
+        r = sec[key]
+        out.append(f"| {label} | {r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f}) |")
+    rounds = d["ratio_per_round_vs_torchrun"]
+    out += ["", f"hvdlite / torchrun **{d['ratio_vs_torchrun']:.2f}** ({min(rounds):.2f}–"
+            f"{max(rounds):.2f}); hvdlite / the store on the driver "
+            f"{d['ratio_vs_store_on_driver']:.2f}; hvdlite above the floor "
+            f"{sec['hvdlite']['median'] - sec['floor']['median']:.2f} s."]
+    return out
+
+
 def zero(root: str) -> list[str]:
     out = ["| transformer + Adam, max over ranks | ranks | state B/rank | × stage 0 | "
            "params+grads+state B/rank | ms/step (spread) | × stage 0 |",
@@ -364,6 +386,7 @@ def main() -> None:
                       ("Steady-state paths", steady_paths),
                       ("After a large transfer", cold_cache),
                       ("Control plane", control_plane), ("One-rank job", one_rank),
+                      ("Job start", job_start),
                       ("ZeRO", zero),
                       ("Compression", compression), ("Keras", keras)):
         lines = fn(root)

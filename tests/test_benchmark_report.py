@@ -74,3 +74,20 @@ def test_glance_from_the_committed_results_lists_every_target():
                             "--glance"], capture_output=True, text=True, timeout=60,
                            check=True).stdout
     assert alone.splitlines() == table
+
+
+def test_job_start_table_shows_each_launcher_and_the_ratios(tmp_path):
+    sec = {"hvdlite": {"median": 2.4, "min": 2.3, "max": 2.7},
+           "hvdlite_store_on_driver": {"median": 3.9, "min": 3.7, "max": 4.4},
+           "torchrun": {"median": 3.7, "min": 3.6, "max": 3.9},
+           "floor": {"median": 1.8, "min": 1.7, "max": 1.9}}
+    (tmp_path / "job_start.json").write_text(json.dumps({
+        "np": 2, "rounds": 5, "seconds": sec, "ratio_vs_torchrun": 2.4 / 3.7,
+        "ratio_vs_store_on_driver": 2.4 / 3.9, "ratio_per_round_vs_torchrun": [0.6, 0.65, 0.7]}))
+    lines = report.job_start(str(tmp_path))
+    assert "| `hvdlite-run` (rank 0 serves the store) | 2.40 (2.30–2.70) |" in lines
+    assert "| `torchrun --standalone` (peer) | 3.70 (3.60–3.90) |" in lines
+    assert "| floor: 2 × `import torch` at once | 1.80 (1.70–1.90) |" in lines
+    assert lines[-1] == ("hvdlite / torchrun **0.65** (0.60–0.70); hvdlite / the store on the "
+                         "driver 0.62; hvdlite above the floor 0.60 s.")
+    assert report.job_start(str(tmp_path / "missing")) == []

@@ -278,9 +278,11 @@ def test_bad_hostfile_and_config(tmp_path):
 # --------------------------------------------------------------------------- real ranks
 
 @pytest.mark.timeout(60)
-def test_env_np2_and_store_reachable():
+@pytest.mark.parametrize("store_on_driver", [False, True], ids=["rank0_serves", "driver_serves"])
+def test_env_np2_and_store_reachable(store_on_driver):
+    extra = {"HVDLITE_STORE_ON_DRIVER": "1"} if store_on_driver else {}
     out = launch("-np", "2", PY, SCRIPTS / "env_dump.py", "store",
-                 env={"LAUNCHER_TEST_CALLER_VAR": "from-caller"})
+                 env={"LAUNCHER_TEST_CALLER_VAR": "from-caller", **extra})
     assert out.returncode == 0, out.stderr
     reports = env_reports(out.stdout)
     assert sorted(reports) == [0, 1]
@@ -303,6 +305,8 @@ def test_env_np2_and_store_reachable():
         assert re.fullmatch(r"[0-9a-f]{64}", env["HVDLITE_SECRET"])
         assert "HOROVOD_GLOO_IFACE" not in env and "HVDLITE_FUSION_THRESHOLD" not in env
         assert env["peer_value"] == f"hello from {(rank + 1) % 2}"
+        # rank 0 is local: it serves the store on the launcher's socket, unless asked not to
+        assert ("HVDLITE_STORE_FD" in env) == (rank == 0 and not store_on_driver)
     assert reports[0]["HVDLITE_SECRET"] == reports[1]["HVDLITE_SECRET"]
 
 

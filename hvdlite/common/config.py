@@ -145,6 +145,8 @@ VARIABLES: tuple[Var, ...] = (
     _v("STORE_ADDR", "str", None, "the job's c10d store (set by hvdlite-run)", _L, "identity"),
     _v("STORE_PORT", "int", None, "port of the job's c10d store (set by hvdlite-run)", _L,
        "identity"),
+    _v("STORE_FD", "int", None, "listening socket rank 0 serves the job's c10d store on (set "
+       "by hvdlite-run on a local rank 0; its init() serves it)", _L, "identity"),
     _v("SECRET", "str", None, "per-job key that signs control messages (set by hvdlite-run, "
        "never on a command line)", _L, "identity"),
     _v("COORDINATOR_ADDR", "str", None, "address other ranks use to reach rank 0's "
@@ -168,6 +170,10 @@ VARIABLES: tuple[Var, ...] = (
        "launcher"),
     _v("REMOTE_PYTHON", "str", None, "Python to run on remote hosts (default: this one's path)",
        _L, "launcher"),
+    _v("STORE_ON_DRIVER", "bool", False, "1: the launcher serves the job's c10d store even when "
+       "rank 0 runs on its machine (for scripts that use the store without hvd.init() and let "
+       "rank 0 exit first); costs the launcher a torch import (~1.5 s) at every start", _L,
+       "launcher"),
     # diagnosis (flight recorder, stragglers) and control-plane limits
     _v("STRAGGLER_REPORT", "float", None, "seconds between straggler reports "
        "(`hvdlite-run --straggler-report SECONDS`)", group="stall"),
@@ -285,8 +291,13 @@ def env_float(name: str, default: float) -> float:
 
 
 def env_bool(name: str, default: bool = False) -> bool:
-    value = env(name)
-    if value is None:
+    return truthy(env(name), default)
+
+
+def truthy(value: Optional[str], default: bool = False) -> bool:
+    """A boolean variable's value: 1/true/yes/on/y (any case) is True, unset or empty is
+    `default`."""
+    if value is None or value == "":
         return default
     return value.strip().lower() in ("1", "true", "yes", "on", "y")
 

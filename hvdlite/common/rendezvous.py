@@ -6,7 +6,10 @@ Four ways in, in this order:
   environment, because it changes whenever the job re-forms. At every `init()` the worker asks the
   driver, over an authenticated connection, for its place in the next *round*: rank, size, local
   and cross coordinates, and the round number that namespaces the round's keys in the store;
-- hvdlite-run's variables (HVDLITE_*) for a fixed job;
+- hvdlite-run's variables (HVDLITE_*) for a fixed job. When rank 0 runs on the launcher's machine,
+  the launcher only opens the store's listening socket and hands it to rank 0
+  (HVDLITE_STORE_FD), whose `init()` serves the store on it; the launcher itself then never
+  imports torch (hvdlite/runner/driver.py, `Rendezvous`);
 - Horovod's (HOROVOD_RANK, ..., HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT);
 - torchrun's (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 
@@ -42,6 +45,9 @@ ELASTIC_WORKER_ENV = "HVDLITE_ELASTIC_WORKER"    # "<host>:<slot>", stable for t
 ELASTIC_SPAWN_ENV = "HVDLITE_ELASTIC_SPAWN"      # random id of this spawn of that slot
 DRIVER_ADDR_ENV = "HVDLITE_DRIVER_ADDR"          # the driver's control endpoint
 DRIVER_PORT_ENV = "HVDLITE_DRIVER_PORT"
+# Set by hvdlite-run on rank 0 of a fixed job whose rank 0 is local: the descriptor of the
+# listening socket rank 0 serves the job's store on.
+STORE_FD_ENV = "HVDLITE_STORE_FD"
 
 
 @dataclass
@@ -55,6 +61,7 @@ class Identity:
     hostname: str
     round: int | None = None    # elastic: the driver's round; namespaces the round's store keys
     worker_id: str | None = None  # elastic: "<host>:<slot>"
+    store_fd: int | None = None  # rank 0 serves the store on this listening socket (hvdlite-run)
 
 
 def _int(name: str) -> int | None:
@@ -80,7 +87,9 @@ def identify() -> Identity:
         if size is None or host is None or port is None:
             raise ValueError("HVDLITE_RANK is set but HVDLITE_SIZE, HVDLITE_STORE_ADDR or "
                              "HVDLITE_STORE_PORT is missing; start the job with hvdlite-run.")
-        return Identity(rank, size, host, port, False, "hvdlite-run", hostname)
+        store_fd = _int(STORE_FD_ENV) if rank == 0 else None
+        return Identity(rank, size, host, port, store_fd is not None, "hvdlite-run", hostname,
+                        store_fd=store_fd)
     rank = _int("HOROVOD_RANK")
     if rank is not None:
         size = _int("HOROVOD_SIZE")
@@ -126,21 +135,48 @@ def connect_store(ident: Identity, timeout_s: float):
     key = (ident.store_host, ident.store_port, ident.store_is_master)
     store = _stores.get(key)
     if store is None:
+        timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            store = dist.TCPStore(ident.store_host, ident.store_port, None,
-                                  ident.store_is_master,
-                                  timeout=datetime.timedelta(seconds=timeout_s),
-                                  wait_for_workers=False)
+            if ident.store_fd is not None:
+                store = serve_store_on(dist.TCPStore, ident.store_host, ident.store_port,
+                                       ident.store_fd, timeout)
+            else:
+                store = dist.TCPStore(ident.store_host, ident.store_port, None,
+                                      ident.store_is_master, timeout=timeout,
+                                      wait_for_workers=False)
         except Exception as exc:
             where = f"{ident.store_host}:{ident.store_port}"
             action = "serve" if ident.store_is_master else "reach"
+            served_by = (" Under hvdlite-run, rank 0 serves the store from its init(): check "
+                         "that rank 0 is running and reaches init()."
+                         if ident.source == "hvdlite-run" and ident.rank != 0 else "")
             raise RuntimeError(
                 f"rank {ident.rank} could not {action} the rendezvous store at {where} "
                 f"(from the {ident.source}) within {timeout_s:.0f} s: {exc}. Check the address, "
-                f"that the port is free on rank 0's host, and HVDLITE_START_TIMEOUT.") from exc
+                f"that the port is free on rank 0's host, and HVDLITE_START_TIMEOUT."
+                f"{served_by}") from exc
         _stores[key] = store
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     return store
+
+
+def serve_store_on(tcp_store: Callable[..., Any], host: str, port: int, fd: int,
+                   timeout: datetime.timedelta) -> Any:
+    """Serve the job's store on the listening socket `fd` that hvdlite-run handed to rank 0.
+
+    The socket was bound and listening before any rank started, so ranks that connected early
+    wait in its backlog. A torch without `master_listen_fd` (before 2.4) cannot take it: the
+    socket is closed and the store binds the same port itself; early connections are reset and
+    torch's client retries them within its timeout."""
+    os.set_inheritable(fd, False)  # the store is this process's, not its children's
+    try:
+        return tcp_store(host, port, None, True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=fd)
+    except TypeError as exc:
+        if "master_listen_fd" not in str(exc) and "incompatible" not in str(exc):
+            raise
+    os.close(fd)
+    return tcp_store(host, port, None, True, timeout=timeout, wait_for_workers=False)
 
 
 def advertised_host(ident: Identity) -> str:

@@ -1,4 +1,5 @@
-"""The driver: serves the rendezvous store, starts every rank, watches them, stops them together.
+"""The driver: provides the rendezvous store (serves it, or hands its socket to a local rank 0),
+starts every rank, watches them, stops them together.
 
 Both `hvdlite-run` and `hvdlite.runner.run` go through `Rendezvous` + `run_job`, so a failing
 rank, Ctrl-C and cleanup behave the same in either. The rules:
@@ -21,15 +22,17 @@ import datetime
 import os
 import queue
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from hvdlite.common.rendezvous import STORE_FD_ENV
 from hvdlite.runner import hang_report, secret
 from hvdlite.runner.hosts import SlotInfo, driver_address_for, is_local_host
 from hvdlite.runner.local import (LaunchError, Spawner, SSHSettings, kill, remote_host,
-                                  spawner_for, terminate)
+                                  spawn_local, spawner_for, terminate)
 from hvdlite.runner.output import Console, RankOutput
 from hvdlite.runner.remote import REMOTE_GRACE_S
 from hvdlite.runner.worker_env import rank_env
@@ -64,26 +67,54 @@ class JobResult:
 
 
 class Rendezvous:
-    """The c10d TCPStore the driver serves; workers (and `run`'s payloads) meet there.
+    """The job's c10d TCPStore, where workers (and `run`'s payloads) meet.
+
+    With `serve=True` the driver serves it itself. With `serve=False` (a fixed-size
+    `hvdlite-run` job whose rank 0 runs on this machine) the driver only opens the listening
+    socket, and rank 0 serves the store on it (`handover`): the launcher then never imports
+    torch, which costs ~1.5 s at every start on a small host (more with a CUDA build), before
+    any rank can begin its own imports. Ranks that connect before rank 0's store runs wait in
+    the socket's backlog. Elastic jobs, `hvdlite.runner.run` and Ray keep the driver's store:
+    there it must outlive any one worker, or the driver reads and writes keys itself.
 
     It listens on 127.0.0.1 when every host is this machine, else on all interfaces; each host
     is told the driver address it can reach (`addr_for`)."""
 
     def __init__(self, hosts: list[str], timeout_s: int, nics: Optional[list[str]] = None,
-                 all_interfaces: Optional[bool] = None) -> None:
-        from torch.distributed import TCPStore  # imported here: torch is slow to import
-
+                 all_interfaces: Optional[bool] = None, serve: bool = True) -> None:
         if all_interfaces is None:
             all_interfaces = not all(is_local_host(h) for h in hosts)
         bind = "0.0.0.0" if all_interfaces else "127.0.0.1"
-        self.store = TCPStore(host_name=bind, port=0, world_size=None, is_master=True,
-                              wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=max(timeout_s, 30)))
-        self.port: int = int(self.store.port)
+        self.store: Any = None
+        self.listener: Optional[socket.socket] = None
+        if serve:
+            from torch.distributed import TCPStore  # imported here: torch is slow to import
+
+            self.store = TCPStore(host_name=bind, port=0, world_size=None, is_master=True,
+                                  wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=max(timeout_s, 30)))
+            self.port: int = int(self.store.port)
+        else:
+            self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self.listener.bind((bind, 0))
+            self.listener.listen(socket.SOMAXCONN)  # every rank may connect before rank 0 serves
+            self.port = self.listener.getsockname()[1]
         self.bind = bind
         self.nics = nics
         self.key: bytes = secret.make_key()
         self._addrs: dict[str, str] = {}
+
+    def handover(self) -> Optional[int]:
+        """The listening socket's descriptor for rank 0 to serve the store on, or None when the
+        driver serves it."""
+        return None if self.listener is None else self.listener.fileno()
+
+    def close_listener(self) -> None:
+        """Drop the driver's copy of the listening socket once rank 0 holds its own: from then
+        on the store lives and dies with rank 0."""
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
 
     def addr_for(self, host: str) -> str:
         """The address workers on `host` reach the driver at."""
@@ -93,10 +124,12 @@ class Rendezvous:
         return self._addrs[host]
 
     def put_signed(self, key: str, data: bytes) -> None:
+        assert self.store is not None, "put_signed needs the driver's own store (serve=True)"
         self.store.set(key, secret.sign(self.key, data))
 
     def get_signed(self, key: str) -> Optional[bytes]:
         """The verified value under `key`, or None when no worker wrote it."""
+        assert self.store is not None, "get_signed needs the driver's own store (serve=True)"
         if not self.store.check([key]):
             return None
         return secret.verify(self.key, self.store.get(key))
@@ -209,8 +242,9 @@ class _Job:
                 raise LaunchError(f"--output-filename {self.spec.output_filename}: "
                                   f"{e.strerror}") from None
         if self.spec.verbose:
-            self.console.message(f"{self.spec.name}: rendezvous store listening on "
-                                 f"{self.rdv.bind}:{self.rdv.port}")
+            who = "the driver" if self.rdv.handover() is None else "rank 0"
+            self.console.message(f"{self.spec.name}: rendezvous store on "
+                                 f"{self.rdv.bind}:{self.rdv.port}, served by {who}")
         self.flight_dir, self._own_flight_dir = hang_report.flight_dir_for(self.spec.env)
         self.spec.env = dict(self.spec.env, **{hang_report.FLIGHT_DIR_ENV: self.flight_dir})
         previous = self._install_handlers()
@@ -219,6 +253,7 @@ class _Job:
             if result is None:
                 result = self._monitor()
         finally:
+            self.rdv.close_listener()  # still open when rank 0 never started
             self._stop()
             self._sweep_groups(time.monotonic() + TERMINATE_GRACE_S)
             self._restore_handlers(previous)
@@ -239,8 +274,14 @@ class _Job:
                     f"{spec.name}: starting rank {slot.rank} on {slot.hostname} (local_rank "
                     f"{slot.local_rank}/{slot.local_size}, cross_rank "
                     f"{slot.cross_rank}/{slot.cross_size}): {' '.join(spec.command)}")
+            store_fd = self.rdv.handover() if slot.rank == 0 else None
             try:
-                proc = spawn(spec.command, env)
+                if store_fd is None:
+                    proc = spawn(spec.command, env)
+                else:  # Rendezvous(serve=False) only when rank 0 is local
+                    env[STORE_FD_ENV] = str(store_fd)
+                    proc = spawn_local(spec.command, env, pass_fds=(store_fd,))
+                    self.rdv.close_listener()
             except OSError as e:
                 self.console.message(f"{spec.name}: cannot start rank {slot.rank} on host "
                                      f"{slot.hostname}: {spec.command[0]}: {e.strerror}")

@@ -14,10 +14,12 @@ import re
 import sys
 from typing import Any, Mapping, Optional, Sequence
 
+from hvdlite.common import config
 from hvdlite.runner.config_file import ConfigError, apply_config, load_config
 from hvdlite.runner.env_flags import LOG_LEVELS, start_timeout_from_env, tuning_env
-from hvdlite.runner.hosts import (HostError, HostSpec, assign_slots, parse_hostfile, parse_hosts,
-                                  too_few_slots_message, total_slots)
+from hvdlite.runner.hosts import (HostError, HostSpec, assign_slots, is_local_host,
+                                  parse_hostfile, parse_hosts, too_few_slots_message,
+                                  total_slots)
 
 PROG = "hvdlite-run"
 
@@ -413,7 +415,6 @@ def _fail(message: str, code: int) -> int:
 def _check_command(program: str, hosts: Sequence[str]) -> Optional[int]:
     """Refuse a command that does not exist here (when a rank runs here); remote hosts check
     their own PATH when the rank starts (exit 127 naming the host)."""
-    from hvdlite.runner.hosts import is_local_host
     from hvdlite.runner.local import find_command
 
     if hosts and not any(is_local_host(h) for h in hosts):
@@ -483,7 +484,11 @@ def launch(args: argparse.Namespace) -> int:
                    name=PROG,
                    ssh=SSHSettings(args.ssh_port, args.ssh_identity_file, args.start_timeout))
     try:
-        rendezvous = Rendezvous([s.hostname for s in slots], args.start_timeout, args.nics)
+        # A local rank 0 serves the store on the driver's socket: no torch in the launcher.
+        rank0_local = is_local_host(next(s.hostname for s in slots if s.rank == 0))
+        on_driver = not rank0_local or config.truthy(config.raw("HVDLITE_STORE_ON_DRIVER"))
+        rendezvous = Rendezvous([s.hostname for s in slots], args.start_timeout, args.nics,
+                                serve=on_driver)
         return run_job(spec, rendezvous).exit_code
     except LaunchError as e:
         return _fail(str(e), 2)

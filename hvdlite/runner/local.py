@@ -36,11 +36,13 @@ class SSHSettings:
     connect_timeout: int = 30
 
 
-def spawn_local(command: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen:
-    """Start `command` in a new session, with piped stdout/stderr and no stdin."""
+def spawn_local(command: Sequence[str], env: Mapping[str, str],
+                pass_fds: Sequence[int] = ()) -> subprocess.Popen:
+    """Start `command` in a new session, with piped stdout/stderr and no stdin; `pass_fds`
+    stay open in it (rank 0's store socket)."""
     return subprocess.Popen(list(command), env=dict(env), stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True, close_fds=True)
+                            start_new_session=True, close_fds=True, pass_fds=tuple(pass_fds))
 
 
 def spawner_for(hostname: str, ssh: Optional[SSHSettings] = None) -> Spawner:
