@@ -15,6 +15,7 @@ def test_started_by_torchrun():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK rank=0 size=2 local=0/2" in proc.stdout
     assert "OK rank=1 size=2 local=1/2" in proc.stdout
+    assert proc.stdout.count("mpi_loaded=False") == 2, proc.stdout
 
 
 @pytest.mark.timeout(120)
@@ -22,7 +23,7 @@ def test_started_with_horovod_variables():
     res = spawn_ranks("env_start.py", np=3)
     for r, p in enumerate(res):
         assert p.returncode == 0, p.stdout + p.stderr
-        assert f"OK rank={r} size=3 local={r}/3" in p.stdout
+        assert f"OK rank={r} size=3 local={r}/3 mpi_loaded=False" in p.stdout
     # No secret given: rank 0 says once that the control plane runs unauthenticated.
     assert res[0].stderr.count("the control plane runs UNAUTHENTICATED") == 1, res[0].stderr
     assert "UNAUTHENTICATED" not in res[1].stderr + res[2].stderr

@@ -139,6 +139,7 @@ def test_mpirun_job_with_gloo_transport():
     proc = mpiexec("env_start.py", 2, env={"HOROVOD_CPU_OPERATIONS": "gloo"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK rank=0 size=2" in proc.stdout and "OK rank=1 size=2" in proc.stdout
+    assert proc.stdout.count("mpi_loaded=True") == 2, proc.stdout  # the ranks met over MPI
 
 
 @pytest.mark.timeout(200)

@@ -19,17 +19,31 @@ from ..messages import MAX, MIN, PRODUCT, SUM
 from ..protocol import INLINE_FLOATS
 from . import shm
 
-try:
-    from mpi4py import MPI
-except ImportError:  # the caller turns this into a clear message
-    MPI = None
+# mpi4py.MPI, loaded by `_load()` on first need. Importing it initializes MPI, which a gloo job
+# never needs: it cost every rank ~70 ms at start (a singleton MPI_Init; with Open MPI a
+# singleton also starts a helper process), so only an MPI job, init(comm=...) or the build
+# queries (mpi_built, mpi_threads_supported) load it.
+MPI = None
+_loaded = False
 
 # Reductions MPI has no type for run in float32 and are cast back.
 _WIDEN = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
+def _load():
+    """mpi4py.MPI, imported (and MPI initialized) the first time; None without mpi4py."""
+    global MPI, _loaded
+    if not _loaded:
+        try:
+            from mpi4py import MPI as module
+        except ImportError:  # the caller turns this into a clear message
+            module = None
+        MPI, _loaded = module, True
+    return MPI
+
+
 def available() -> bool:
-    return MPI is not None
+    return _load() is not None
 
 
 _OPS: dict = {}
@@ -57,7 +71,7 @@ def wait_mode(local_ranks: int | None = None) -> str:
     if choice != "auto":
         raise ValueError(f"HVDLITE_MPI_WAIT={choice!r}: use spin, yield or auto")
     if local_ranks is None:
-        local_ranks = _local_ranks(MPI.COMM_WORLD.Get_size() if MPI is not None else 1)
+        local_ranks = _local_ranks(MPI.COMM_WORLD.Get_size() if _load() is not None else 1)
     return "yield" if local_ranks > usable_cores() else "spin"
 
 
@@ -219,6 +233,7 @@ class Agreement:
     """
 
     def __init__(self, comm):
+        _load()
         self.comm = comm.Dup()
         self.size = comm.Get_size()
         self.width = -1
@@ -398,6 +413,7 @@ class MPICommunicator(shm.ShmRouted):
 
     def __init__(self, comm, in_order: bool = False, rounds: bool = True, store=None,
                  timeout_s: float = 60.0):
+        _load()  # the caller may hand in its own mpi4py communicator
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise RuntimeError(
                 "the MPI transport needs MPI_THREAD_MULTIPLE, but this MPI provides thread "
@@ -531,12 +547,14 @@ def started_by_mpi() -> bool:
 
 
 def threads_supported() -> bool:
-    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+    mpi = _load()
+    return mpi is not None and mpi.Query_thread() >= mpi.THREAD_MULTIPLE
 
 
 def world(comm=None):
     """The communicator the job runs on: COMM_WORLD, an mpi4py communicator passed to
     init(comm=...), or a list of COMM_WORLD ranks (Horovod's init(comm=[...]))."""
+    _load()
     if comm is None:
         return MPI.COMM_WORLD
     if isinstance(comm, (list, tuple)):
