@@ -544,3 +544,30 @@ def test_progress_bar_updates_are_forwarded_live(tmp_path):
     seen += out
     assert proc.returncode == 0, err
     assert seen.endswith(b"[0]<stdout>:progress 3/3\n"), seen
+
+
+@pytest.mark.timeout(90)
+def test_rank0_whose_store_socket_was_closed_says_so_and_store_on_driver_runs_it():
+    """A wrapper between the launcher and rank 0 that closes inherited descriptors takes the
+    store's socket away from rank 0: rank 0's init() names the descriptor, the cause and both
+    fixes, and the job fails at once. HVDLITE_STORE_ON_DRIVER=1 runs the same command."""
+    worker = ("import hvdlite.torch as hvd; hvd.init(); "
+              "print('JOINED', hvd.rank(), hvd.size(), flush=True); hvd.shutdown()")
+    wrapper = ("import os, sys\n"
+               "fd = os.environ.get('HVDLITE_STORE_FD')\n"
+               "if fd is not None:\n"
+               "    os.close(int(fd))\n"
+               "os.execv(sys.executable, [sys.executable, '-c', sys.argv[1]])\n")
+    env = {"HVDLITE_START_TIMEOUT": "20",
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    out = launch("-np", "2", PY, "-c", wrapper, worker, env=env, timeout=80)
+    assert out.returncode != 0
+    assert "HVDLITE_STORE_FD=" in out.stderr and "is not an open socket in this process" in \
+        out.stderr, out.stderr[-3000:]
+    assert "HVDLITE_STORE_ON_DRIVER=1" in out.stderr
+    assert "could not serve the rendezvous store" not in out.stderr  # no timeout, no address
+    assert "hvdlite-run: rank 0" in out.stderr, out.stderr[-3000:]
+    out = launch("-np", "2", PY, "-c", wrapper, worker,
+                 env={**env, "HVDLITE_STORE_ON_DRIVER": "1"}, timeout=80)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "JOINED 0 2" in out.stdout and "JOINED 1 2" in out.stdout

@@ -30,6 +30,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -144,6 +145,8 @@ def connect_store(ident: Identity, timeout_s: float):
                 store = dist.TCPStore(ident.store_host, ident.store_port, None,
                                       ident.store_is_master, timeout=timeout,
                                       wait_for_workers=False)
+        except StoreSocketLost:
+            raise  # its message is the whole story: no address or timeout is involved
         except Exception as exc:
             where = f"{ident.store_host}:{ident.store_port}"
             action = "serve" if ident.store_is_master else "reach"
@@ -160,6 +163,10 @@ def connect_store(ident: Identity, timeout_s: float):
     return store
 
 
+class StoreSocketLost(RuntimeError):
+    """Rank 0 was told to serve the store on a descriptor it does not hold."""
+
+
 def serve_store_on(tcp_store: Callable[..., Any], host: str, port: int, fd: int,
                    timeout: datetime.timedelta) -> Any:
     """Serve the job's store on the listening socket `fd` that hvdlite-run handed to rank 0.
@@ -168,6 +175,18 @@ def serve_store_on(tcp_store: Callable[..., Any], host: str, port: int, fd: int,
     wait in its backlog. A torch without `master_listen_fd` (before 2.4) cannot take it: the
     socket is closed and the store binds the same port itself; early connections are reset and
     torch's client retries them within its timeout."""
+    try:
+        is_socket = stat.S_ISSOCK(os.fstat(fd).st_mode)
+    except OSError:
+        is_socket = False
+    if not is_socket:
+        raise StoreSocketLost(
+            f"{STORE_FD_ENV}={fd} is not an open socket in this process: hvdlite-run handed "
+            f"rank 0 the store's listening socket as descriptor {fd}, and something between the "
+            f"launcher and this process closed it (a wrapper that closes inherited descriptors, "
+            f"or a child process started by rank 0 that calls init() again). Start rank 0's "
+            f"command without closing inherited descriptors, or set HVDLITE_STORE_ON_DRIVER=1 "
+            f"for hvdlite-run so that the launcher serves the store itself")
     os.set_inheritable(fd, False)  # the store is this process's, not its children's
     try:
         return tcp_store(host, port, None, True, timeout=timeout, wait_for_workers=False,
