@@ -571,3 +571,28 @@ def test_rank0_whose_store_socket_was_closed_says_so_and_store_on_driver_runs_it
                  env={**env, "HVDLITE_STORE_ON_DRIVER": "1"}, timeout=80)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "JOINED 0 2" in out.stdout and "JOINED 1 2" in out.stdout
+
+
+@pytest.mark.timeout(90)
+def test_rank0_stuck_before_init_ends_in_a_clear_timeout_on_the_other_ranks():
+    """Rank 0 serves the store from init(); stuck before it, the other ranks' connections sit in
+    the socket's backlog, where torch's client waits with no timeout of its own. hvdlite bounds
+    that wait: rank 1 fails after HVDLITE_START_TIMEOUT naming the store, rank 0 and the fix,
+    and the launcher stops the job."""
+    worker = ("import os, time\n"
+              "if os.environ['HVDLITE_RANK'] == '0':\n"
+              "    time.sleep(60)\n"
+              "import hvdlite.torch as hvd\n"
+              "hvd.init()\n")
+    t0 = time.monotonic()
+    out = launch("-np", "2", PY, "-c", worker,
+                 env={"HVDLITE_START_TIMEOUT": "4",
+                      "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}, timeout=80)
+    took = time.monotonic() - t0
+    assert out.returncode != 0
+    assert "rank 1 could not reach the rendezvous store at 127.0.0.1:" in out.stderr, \
+        out.stderr[-3000:]
+    assert "did not answer within 4 s" in out.stderr
+    assert "rank 0 serves the store from its init()" in out.stderr
+    assert "hvdlite-run: rank 1" in out.stderr
+    assert took < 40, took  # not rank 0's 60 s sleep: the job ended on rank 1's timeout

@@ -141,10 +141,11 @@ def connect_store(ident: Identity, timeout_s: float):
             if ident.store_fd is not None:
                 store = serve_store_on(dist.TCPStore, ident.store_host, ident.store_port,
                                        ident.store_fd, timeout)
+            elif ident.store_is_master:
+                store = dist.TCPStore(ident.store_host, ident.store_port, None, True,
+                                      timeout=timeout, wait_for_workers=False)
             else:
-                store = dist.TCPStore(ident.store_host, ident.store_port, None,
-                                      ident.store_is_master, timeout=timeout,
-                                      wait_for_workers=False)
+                store = reach_store(dist.TCPStore, ident.store_host, ident.store_port, timeout)
         except StoreSocketLost:
             raise  # its message is the whole story: no address or timeout is involved
         except Exception as exc:
@@ -161,6 +162,36 @@ def connect_store(ident: Identity, timeout_s: float):
         _stores[key] = store
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     return store
+
+
+def reach_store(tcp_store: Callable[..., Any], host: str, port: int,
+                timeout: datetime.timedelta) -> Any:
+    """torch's TCPStore client, bounded by `timeout` whatever state the server is in.
+
+    Why: when rank 0 serves the store (`serve_store_on`), its socket listens from before any
+    rank starts, so a client's connection is accepted by the kernel at once, and torch's client
+    then waits for the server's handshake reply with no timeout of its own: were rank 0 stuck
+    before `init()`, the other ranks would wait forever. The constructor releases the GIL, so
+    it runs in a daemon thread here, and the wait for it is what is bounded. (A refused
+    connection is retried by torch itself within `timeout`.)"""
+    box: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            box["store"] = tcp_store(host, port, None, False, timeout=timeout,
+                                     wait_for_workers=False)
+        except BaseException as exc:  # handed to the caller's thread below
+            box["error"] = exc
+
+    thread = threading.Thread(target=connect, name="hvdlite-store-connect", daemon=True)
+    thread.start()
+    thread.join(timeout.total_seconds())
+    if thread.is_alive():
+        raise TimeoutError(f"the store at {host}:{port} accepted the connection but did not "
+                           f"answer within {timeout.total_seconds():.0f} s")
+    if "error" in box:
+        raise box["error"]
+    return box["store"]
 
 
 class StoreSocketLost(RuntimeError):
