@@ -4,6 +4,10 @@ Every rank gets the caller's full environment, the tuning variables from the fla
 variables below. Each coordinate is exported under hvdlite's name and under the name that
 `horovodrun --gloo` uses, so Horovod-era code that reads `HOROVOD_RANK` keeps working.
 
+Rank 0 of a fixed job whose rank 0 runs on the launcher's machine also gets HVDLITE_STORE_FD, the
+store's listening socket, which it serves the store on (set where the socket is passed to it:
+driver._Job._start; see driver.Rendezvous).
+
 An elastic worker gets no coordinates here: it learns them from the driver at every `init()`
 (hvdlite/common/rendezvous.py), which also rewrites these variables in the worker's process.
 """
