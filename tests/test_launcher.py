@@ -592,7 +592,7 @@ def test_rank0_stuck_before_init_ends_in_a_clear_timeout_on_the_other_ranks():
     assert out.returncode != 0
     assert "rank 1 could not reach the rendezvous store at 127.0.0.1:" in out.stderr, \
         out.stderr[-3000:]
-    assert "did not answer within 4 s" in out.stderr
+    assert "no answer from the store at 127.0.0.1:" in out.stderr and "within 4 s" in out.stderr
     assert "rank 0 serves the store from its init()" in out.stderr
     assert "hvdlite-run: rank 1" in out.stderr
     assert took < 40, took  # not rank 0's 60 s sleep: the job ended on rank 1's timeout

@@ -187,8 +187,8 @@ def reach_store(tcp_store: Callable[..., Any], host: str, port: int,
     thread.start()
     thread.join(timeout.total_seconds())
     if thread.is_alive():
-        raise TimeoutError(f"the store at {host}:{port} accepted the connection but did not "
-                           f"answer within {timeout.total_seconds():.0f} s")
+        raise TimeoutError(f"no answer from the store at {host}:{port} within "
+                           f"{timeout.total_seconds():.0f} s")
     if "error" in box:
         raise box["error"]
     return box["store"]
