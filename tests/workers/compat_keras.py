@@ -50,10 +50,7 @@ def fit(m, opt, x, y, callbacks, batch):
 def check_fit():
     x, y = data()
     per_rank = 4
-    # Rank r takes rows r*4..r*4+3 of every global batch of 4*SIZE rows.
-    idx = np.concatenate([np.arange(b * per_rank * SIZE + RANK * per_rank,
-                                    b * per_rank * SIZE + (RANK + 1) * per_rank)
-                          for b in range(len(x) // (per_rank * SIZE))])
+    idx = _my_rows(x, per_rank)
     dist = model(seed=100 + RANK)
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.1, momentum=0.9))
     hist = fit(dist, opt, x[idx], y[idx],
@@ -76,17 +73,63 @@ def check_fit():
 
 
 class _Halve(keras.callbacks.Callback):
-    """The single-process twin of LearningRateScheduleCallback(0.1, 0.5, start_epoch=1), with
-    Horovod's momentum correction (momentum buffers scaled by new_lr / old_lr)."""
+    """The single-process twin of LearningRateScheduleCallback(initial_lr, 0.5, start_epoch=1),
+    with Horovod's momentum correction (momentum buffers scaled by new_lr / old_lr): SGD keeps
+    them in `momentums`, RMSprop in `_momentums`."""
+
+    def __init__(self, initial_lr=0.1, buffers="momentums"):
+        super().__init__()
+        self.initial_lr, self.buffers = initial_lr, buffers
 
     def on_epoch_begin(self, epoch, logs=None):
         if epoch >= 1:
             opt = self.model.optimizer
             old = float(keras.ops.convert_to_numpy(opt.learning_rate))
-            new = 0.1 * 0.5 ** epoch
+            new = self.initial_lr * 0.5 ** epoch
             opt.learning_rate = new
-            for buf in opt.momentums:
+            bufs = getattr(opt, self.buffers)
+            if not bufs:
+                raise AssertionError(f"{type(opt).__name__} has no {self.buffers}")
+            for buf in bufs:
                 buf.assign(buf.value * (new / old))
+
+
+def _my_rows(x, per_rank):
+    """Rank r's rows r*per_rank..(r+1)*per_rank-1 of every global batch of per_rank*SIZE rows."""
+    return np.concatenate([np.arange(b * per_rank * SIZE + RANK * per_rank,
+                                     b * per_rank * SIZE + (RANK + 1) * per_rank)
+                           for b in range(len(x) // (per_rank * SIZE))])
+
+
+def check_lr_callbacks():
+    """RMSprop's momentum (Keras 3 keeps it in `_momentums`) is corrected as SGD's when the
+    learning rate changes, on either backend: model.fit on 2 ranks equals one process on the
+    global batch. An optimizer built with a learning-rate schedule gets a clear error."""
+    x, y = data()
+    per_rank = 4
+    idx = _my_rows(x, per_rank)
+    dist = model(seed=200 + RANK)
+    opt = hvd.DistributedOptimizer(keras.optimizers.RMSprop(learning_rate=0.01, momentum=0.9))
+    fit(dist, opt, x[idx], y[idx],
+        [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+         hvd.callbacks.LearningRateScheduleCallback(initial_lr=0.01, multiplier=0.5,
+                                                    start_epoch=1)], per_rank)
+    ref = model(seed=200)
+    fit(ref, keras.optimizers.RMSprop(learning_rate=0.01, momentum=0.9), x, y,
+        [_Halve(0.01, "_momentums")], per_rank * SIZE)
+    for a, b in zip(dist.get_weights(), ref.get_weights()):
+        close(a, b, "RMSprop with momentum correction == single process", 1e-4)
+
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.9)
+    m = model(seed=300)
+    try:
+        fit(m, hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=schedule)), x[idx],
+            y[idx], [hvd.callbacks.LearningRateScheduleCallback(0.1, 0.5)], per_rank)
+    except ValueError as exc:
+        if "learning-rate schedule (ExponentialDecay)" not in str(exc):
+            raise AssertionError(f"unclear error: {exc}") from exc
+    else:
+        raise AssertionError("a learning-rate schedule was overwritten without an error")
 
 
 def check_collectives():
@@ -172,6 +215,7 @@ def main():
     check("api", check_api)
     check("collectives", check_collectives)
     check("fit", check_fit)
+    check("lr_callbacks", check_lr_callbacks)
     check("load_model", check_load_model)
     finish()
     hvd.shutdown()

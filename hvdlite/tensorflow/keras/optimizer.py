@@ -18,6 +18,7 @@ import warnings
 
 import tensorflow as tf
 
+from ..._keras_callbacks import optimizer_variables as _optimizer_variables
 from ..compression import Compression
 from ..gradient_aggregation import LocalGradientAggregationHelper
 from ..gradients import GradientReducer, check_reduce_args, var_ref
@@ -161,11 +162,6 @@ class _HvdConfig:
         self.reducer = reducer
         self.agg = agg
         self.source = source
-
-
-def _optimizer_variables(opt) -> list:
-    v = opt.variables
-    return list(v() if callable(v) else v)
 
 
 def _copy_state(dst, src) -> None:
