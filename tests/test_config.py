@@ -89,3 +89,76 @@ def test_settings_defaults_match_the_registry():
     defaults = config.Settings()
     for field, name in fields.items():
         assert getattr(defaults, field) == registry[name], (field, name)
+
+
+def test_booleans_as_hvdlite_and_horovod_read_them():
+    for value in ("1", "true", "YES", " on ", "y", "2"):     # 2: Horovod's strtol(value) > 0
+        assert config.parse_bool(value) is True, value
+    for value in ("0", "False", "no", "off", "n", "-1"):
+        assert config.parse_bool(value) is False, value
+    for value in ("enable", "1.5", "truee"):
+        assert config.parse_bool(value) is None, value
+    assert config.truthy(None, True) and not config.truthy("enable", True)
+
+
+def test_check_values_names_each_bad_number_and_boolean():
+    environ = {"HVDLITE_FUSION_THRESHOLD": "64MB", "HOROVOD_CYCLE_TIME": "fast",
+               "HVDLITE_STALL_CHECK_DISABLE": "enable", "HVDLITE_CACHE_CAPACITY": "1e3",
+               "HOROVOD_HIERARCHICAL_ALLREDUCE": "2", "HVDLITE_LOG_LEVEL": "anything",
+               "HVDLITE_START_TIMEOUT": ""}
+    bad = config.check_values(environ)
+    assert len(bad) == 3, bad
+    assert bad[0].startswith("HVDLITE_FUSION_THRESHOLD='64MB' is not an integer (bytes per "
+                             "fused transport call"), bad
+    assert bad[1].startswith("HOROVOD_CYCLE_TIME='fast' is not a number"), bad
+    assert bad[2].startswith("HVDLITE_STALL_CHECK_DISABLE='enable' is not 1 or 0"), bad
+    assert all(b.endswith("set it to one, or unset it for the default") for b in bad)
+
+
+@pytest.mark.timeout(60)
+def test_launcher_refuses_a_bad_value_before_starting_any_rank(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    marker = tmp_path / "started"
+    env.update(PYTHONPATH=str(ROOT), HOROVOD_FUSION_THRESHOLD="64MB")
+    out = subprocess.run([HVDLITE_RUN, "-np", "2", sys.executable, "-c",
+                          f"open({str(marker)!r}, 'w')"],
+                         capture_output=True, text=True, timeout=50, env=env)
+    assert out.returncode == 2, out.stderr
+    assert "hvdlite-run: error: HOROVOD_FUSION_THRESHOLD='64MB' is not an integer" in out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    assert not marker.exists()
+
+
+@pytest.mark.timeout(60)
+def test_init_refuses_a_bad_value_outside_hvdlite_run():
+    """Launched another way (torchrun, mpiexec, a plain python), init() checks the values."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    env.update(PYTHONPATH=str(ROOT), HVDLITE_STEADY_STATE="maybe",
+               HVDLITE_FLIGHT_RECORDER_SIZE="big")    # (read when hvdlite is imported)
+    code = ("import hvdlite.torch as hvd\n"
+            "try:\n    hvd.init()\nexcept ValueError as e:\n    print('REFUSED', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=50, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "REFUSED hvdlite.init(): HVDLITE_STEADY_STATE='maybe' is not 1 or 0" in out.stdout, \
+        out.stdout + out.stderr
+    assert "HVDLITE_FLIGHT_RECORDER_SIZE='big' is not an integer" in out.stdout
+
+
+def test_launcher_hang_limit_reads_the_variables_as_the_ranks_do():
+    from hvdlite.runner.hang_report import stall_shutdown_s
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    saved = dict(os.environ)
+    try:
+        os.environ.clear()
+        os.environ.update(clean)
+        assert stall_shutdown_s({}) == 600.0
+        assert stall_shutdown_s({"HOROVOD_STALL_CHECK_DISABLE": "y"}) == 0.0
+        assert stall_shutdown_s({"HOROVOD_STALL_CHECK_DISABLE": "2"}) == 0.0
+        assert stall_shutdown_s({"HVDLITE_STALL_CHECK_DISABLE": "0",
+                                 "HOROVOD_STALL_CHECK_DISABLE": "1"}) == 600.0
+        assert stall_shutdown_s({"HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "30",
+                                 "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "90"}) == 30.0
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -83,9 +83,13 @@ def init(comm=None, process_sets=None) -> None:
     with _lock:
         if _state is not None:
             return
+        checked = config.raw("HVDLITE_ENV_CHECKED")   # hvdlite-run checked them already
+        bad = [] if checked else config.check_values()
+        if bad:
+            raise ValueError("hvdlite.init(): " + "; ".join(bad))
         settings = Settings.from_env()
         logs.setup()  # HOROVOD_LOG_LEVEL / _HIDE_TIME, HVDLITE_LOG_FORMAT; propagates
-        if not config.raw("HVDLITE_ENV_CHECKED"):  # hvdlite-run checked the names already
+        if not checked:
             config.warn_misspelled(log.warning)
         dynamic = settings.dynamic_process_sets
         static: list[ProcessSet] = []

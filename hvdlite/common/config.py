@@ -5,7 +5,8 @@ variable (and the README's table is generated from it: `python -m hvdlite.common
 reads through `env`/`env_int`/`env_float`/`env_bool` (a knob answering to both `HVDLITE_X` and
 Horovod's `HOROVOD_X`; the `HVDLITE_*` name wins when both are set) or `raw` (one exact name).
 A set `HVDLITE_*` variable that is not declared but close to one that is draws one warning at
-start-up (`warn_misspelled`). This module imports nothing but the standard library, so the
+start-up (`warn_misspelled`), and a declared number or boolean set to something else stops the
+job before it starts (`check_values`). This module imports nothing but the standard library, so the
 launcher can use it.
 """
 from __future__ import annotations
@@ -216,6 +217,16 @@ def raw(name: str, default: Optional[str] = None,
     return default if value is None else value
 
 
+def raw_int(name: str, default: int) -> int:
+    """`raw(name)` as an integer; `default` when it is unset or not a number. For values read
+    when a module is imported, where raising would print a traceback instead of a message;
+    check_values reports the bad value where the job starts."""
+    try:
+        return int(float(raw(name) or default))
+    except (ValueError, OverflowError):
+        return default
+
+
 def misspelled(environ: Optional[Mapping[str, str]] = None) -> list[tuple[str, str]]:
     """(set name, likely intended name) for each undeclared HVDLITE_* variable close to a
     declared one."""
@@ -291,15 +302,78 @@ def env_float(name: str, default: float) -> float:
 
 
 def env_bool(name: str, default: bool = False) -> bool:
-    return truthy(env(name), default)
+    value = env(name)
+    if value is None:
+        return default
+    parsed = parse_bool(value)
+    if parsed is None:
+        raise ValueError(f"HVDLITE_{name}/HOROVOD_{name} must be 1 or 0 (or true/false, "
+                         f"yes/no, on/off), got {value!r}")
+    return parsed
+
+
+_TRUE = ("1", "true", "yes", "on", "y")
+_FALSE = ("0", "false", "no", "off", "n")
+
+
+def parse_bool(value: str) -> Optional[bool]:
+    """A boolean variable's value, or None when it is not one: 1/true/yes/on/y and
+    0/false/no/off/n (any case), and any other integer as Horovod reads most of its flags
+    (`strtol(value) > 0`: 2 is true, -1 false)."""
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    try:
+        return int(v) > 0
+    except ValueError:
+        return None
 
 
 def truthy(value: Optional[str], default: bool = False) -> bool:
-    """A boolean variable's value: 1/true/yes/on/y (any case) is True, unset or empty is
-    `default`."""
+    """A boolean variable's value, leniently: unset or empty is `default`, and a value that
+    is not a boolean is False (check_values reports it at start-up)."""
     if value is None or value == "":
         return default
-    return value.strip().lower() in ("1", "true", "yes", "on", "y")
+    return bool(parse_bool(value))
+
+
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "1 or 0 (or true/false, "
+               "yes/no, on/off)"}
+
+
+def check_values(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """One message per declared int, float or bool variable that is set to a value of another
+    kind: what `hvdlite-run` (before it starts any rank) and `init()` refuse.
+
+    Why up front: each reader would raise on its own, on every rank, at whatever moment it
+    first reads its variable (some at import, some in init, some in the first collective),
+    and a boolean read leniently would take a typo for False without a word."""
+    environ = os.environ if environ is None else environ
+    out = []
+    for v in VARIABLES:
+        if v.type not in _TYPE_WORDS:
+            continue
+        for full in v.full_names:
+            value = environ.get(full)
+            if value is None or value == "":
+                continue
+            try:
+                if v.type == "bool":
+                    ok = parse_bool(value) is not None
+                elif v.type == "int":
+                    int(float(value))
+                    ok = True
+                else:
+                    float(value)
+                    ok = True
+            except (ValueError, OverflowError):
+                ok = False
+            if not ok:
+                out.append(f"{full}={value!r} is not {_TYPE_WORDS[v.type]} ({v.doc}); "
+                           f"set it to one, or unset it for the default")
+    return out
 
 
 @dataclass

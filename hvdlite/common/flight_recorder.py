@@ -32,6 +32,7 @@ import traceback
 from collections import deque
 from typing import Any, Callable, Optional
 
+from . import config
 from .messages import TYPE_NAMES
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class Recorder:
         return [r.as_dict() for r in records]
 
 
-RECORDER = Recorder(int(os.environ.get(SIZE_ENV) or 64))
+RECORDER = Recorder(config.raw_int(SIZE_ENV, 64))
 
 
 def _user_frame(frames: list) -> Optional[dict]:

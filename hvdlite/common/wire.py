@@ -23,7 +23,7 @@ _HEADER = struct.Struct("!IQ")       # payload length, sequence number
 _MAC_LEN = 32
 # No control message comes near this; a header announcing more is refused before the payload is
 # buffered, so a stranger cannot make a rank allocate gigabytes.
-MAX_FRAME = int(config.raw("HVDLITE_MAX_FRAME_BYTES") or (64 << 20))
+MAX_FRAME = config.raw_int("HVDLITE_MAX_FRAME_BYTES", 64 << 20)
 
 
 class ProtocolError(ConnectionError):

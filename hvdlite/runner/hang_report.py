@@ -23,6 +23,8 @@ import tempfile
 import time
 from typing import Optional
 
+from ..common import config
+
 FLIGHT_DIR_ENV = "HVDLITE_FLIGHT_DIR"
 _SHOW_RECORDS = 6
 
@@ -67,18 +69,20 @@ class StoppedWatch:
 def stall_shutdown_s(env: dict) -> float:
     """The stall shutdown time the workers run with (the launchers' hang limit); 0 when the
     job waits forever (shutdown time 0, or the stall check disabled, as in Horovod)."""
-    for name in ("HVDLITE_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE"):
-        value = (env.get(name) or os.environ.get(name) or "").strip().lower()
-        if value in ("1", "true", "yes", "on"):
-            return 0.0
-    for name in ("HVDLITE_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"):
-        value = env.get(name) or os.environ.get(name)
-        if value:
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    return 600.0
+    def value(suffix: str) -> Optional[str]:
+        # The ranks' rule (config.env): the HVDLITE_ name wins over Horovod's.
+        for prefix in config.BOTH:
+            found = env.get(prefix + suffix) or os.environ.get(prefix + suffix)
+            if found:
+                return found
+        return None
+
+    if config.truthy(value("STALL_CHECK_DISABLE")):
+        return 0.0
+    try:
+        return float(value("STALL_SHUTDOWN_TIME_SECONDS") or 600.0)
+    except ValueError:          # (check_values stops such a job before it starts)
+        return 600.0
 
 
 def load_dumps(path: str) -> dict[int, dict]:

@@ -516,9 +516,12 @@ def _launch_mpi(args: argparse.Namespace) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point of `hvdlite-run`."""
     args = parse_args(argv)
-    from hvdlite.common.config import warn_misspelled
+    from hvdlite.common.config import check_values, warn_misspelled
 
     warn_misspelled(lambda text: print(f"{PROG}: warning: {text}", file=sys.stderr, flush=True))
+    bad = check_values()
+    if bad:
+        return _fail("error: " + "\n  ".join(bad), 2)
     os.environ["HVDLITE_ENV_CHECKED"] = "1"  # the ranks need not warn again
     if args.check_build:
         from hvdlite.runner.check_build import check_build_text
