@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from hvdlite.common import config
+from util import clean_env
 
 ROOT = Path(__file__).resolve().parent.parent
 HVDLITE_RUN = str(Path(sys.executable).parent / "hvdlite-run")
@@ -63,7 +64,7 @@ def test_misspelled_names():
 
 @pytest.mark.timeout(60)
 def test_launcher_warns_once_about_a_misspelled_variable():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    env = clean_env()
     env.update(PYTHONPATH=str(ROOT), HVDLITE_CYCLE_TMIE="2")
     out = subprocess.run([HVDLITE_RUN, "-np", "2", sys.executable, "-c", "pass"],
                          capture_output=True, text=True, timeout=50, env=env)
@@ -117,7 +118,7 @@ def test_check_values_names_each_bad_number_and_boolean():
 
 @pytest.mark.timeout(60)
 def test_launcher_refuses_a_bad_value_before_starting_any_rank(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    env = clean_env()
     marker = tmp_path / "started"
     env.update(PYTHONPATH=str(ROOT), HOROVOD_FUSION_THRESHOLD="64MB")
     out = subprocess.run([HVDLITE_RUN, "-np", "2", sys.executable, "-c",
@@ -132,7 +133,7 @@ def test_launcher_refuses_a_bad_value_before_starting_any_rank(tmp_path):
 @pytest.mark.timeout(60)
 def test_init_refuses_a_bad_value_outside_hvdlite_run():
     """Launched another way (torchrun, mpiexec, a plain python), init() checks the values."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    env = clean_env()
     env.update(PYTHONPATH=str(ROOT), HVDLITE_STEADY_STATE="maybe",
                HVDLITE_FLIGHT_RECORDER_SIZE="big")    # (read when hvdlite is imported)
     code = ("import hvdlite.torch as hvd\n"
@@ -147,7 +148,7 @@ def test_init_refuses_a_bad_value_outside_hvdlite_run():
 
 def test_launcher_hang_limit_reads_the_variables_as_the_ranks_do():
     from hvdlite.runner.hang_report import stall_shutdown_s
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    clean = clean_env()
     saved = dict(os.environ)
     try:
         os.environ.clear()

@@ -31,6 +31,7 @@ HOSTNAME = socket.gethostname()
 
 sys.path.insert(0, str(WORKER.parent))
 import elastic_train  # noqa: E402  (the worker's reference computation)
+from util import clean_env  # noqa: E402
 
 sys.path.remove(str(WORKER.parent))
 
@@ -49,8 +50,7 @@ class ElasticJob:
         script.write_text(f"#!/bin/sh\ncat {self.hosts_file}\n")
         script.chmod(0o755)
         self.marker = f"hvdlite-elastic-test-{os.getpid()}-{time.monotonic_ns()}"
-        full_env = {k: v for k, v in os.environ.items()
-                    if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+        full_env = clean_env()
         full_env.update({"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                          "HVDLITE_START_TIMEOUT": "60", "ELASTIC_MARK_DIR": str(self.marks),
                          "HVDLITE_TEST_MARKER": self.marker})

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from test_elastic import ElasticJob, check_exact, jobs, worker_env  # noqa: F401 (fixture)
-from util import HVDLITE_RUN, ROOT, WORKERS
+from util import HVDLITE_RUN, ROOT, WORKERS, clean_env
 
 PY = sys.executable
 WORKER = str(WORKERS / "fault_worker.py")
@@ -27,7 +27,7 @@ WORKER = str(WORKERS / "fault_worker.py")
 
 def run_job(args: list[str], mode: list[str], marker: str, env: dict | None = None,
             timeout: float = 120) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    full_env = clean_env()
     full_env.update({"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                      "HVDLITE_START_TIMEOUT": "60", "HVDLITE_TEST_MARKER": marker})
     full_env.update(env or {})
@@ -213,7 +213,7 @@ def test_coordinator_refuses_forged_replayed_oversized_and_truncated_frames(tmp_
 
     marker = _marker()
     release = tmp_path / "release"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    env = clean_env()
     env.update({"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                 "HVDLITE_START_TIMEOUT": "60", "HVDLITE_TEST_MARKER": marker})
     proc = subprocess.Popen([HVDLITE_RUN, "-np", "2", PY, WORKER, "until", str(release)],

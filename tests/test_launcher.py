@@ -1,7 +1,6 @@
 """hvdlite-run and hvdlite.runner.run, exercised through the real console script and real ranks."""
 from __future__ import annotations
 
-import json
 import os
 import queue
 import re
@@ -21,33 +20,17 @@ from hvdlite.runner.config_file import ConfigError, load_config
 from hvdlite.runner.hosts import (HostError, HostSpec, assign_slots, is_local_host,
                                   parse_hostfile, parse_hosts)
 from hvdlite.runner.launch import parse_args
+from util import clean_env, env_reports
 
 HVDLITE_RUN = str(Path(sys.executable).parent / "hvdlite-run")
 SCRIPTS = Path(__file__).parent / "launcher_scripts"
 PY = sys.executable
 
 
-def _clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The test process's environment without inherited Horovod/hvdlite settings."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HVDLITE_", "HOROVOD_"))}
-    env.update(extra or {})
-    return env
-
-
 def launch(*args: object, env: dict[str, str] | None = None,
            timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([HVDLITE_RUN, *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=_clean_env(env))
-
-
-def env_reports(stdout: str) -> dict[int, dict[str, str]]:
-    reports = {}
-    for line in stdout.splitlines():
-        m = re.fullmatch(r"\[(\d+)\]<stdout>:ENV (.*)", line)
-        if m:
-            reports[int(m.group(1))] = json.loads(m.group(2))
-    return reports
+                          timeout=timeout, env=clean_env(env))
 
 
 def launcher_lines(stderr: str) -> list[str]:
@@ -435,7 +418,7 @@ def test_rank_killed_by_signal():
 def _start_hanging_job(np: int, *script_args: str) -> tuple[subprocess.Popen, list[int]]:
     proc = subprocess.Popen([HVDLITE_RUN, "-np", str(np), PY, str(SCRIPTS / "hang.py"),
                              *script_args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=_clean_env(), start_new_session=True)
+                            text=True, env=clean_env(), start_new_session=True)
     lines: "queue.Queue[str]" = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
     pids: list[int] = []
@@ -523,7 +506,7 @@ def test_progress_bar_updates_are_forwarded_live(tmp_path):
     """tqdm-style `\\r` updates reach the launcher's stdout while the rank still runs, each with
     the rank prefix, instead of being held back until the bar's final newline."""
     proc = subprocess.Popen([HVDLITE_RUN, "-np", "1", PY, SCRIPTS / "progress_bar.py", tmp_path],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_clean_env())
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env())
     seen = b""
     try:
         for i in range(3):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from util import ROOT, WORKERS
+from util import ROOT, WORKERS, clean_env
 
 MPIEXEC = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
 try:
@@ -25,7 +25,7 @@ def mpiexec(script: str | Path, np: int, timeout: float = 120, env: dict | None 
             args: tuple = ()):
     """Run a worker (a name under tests/workers, or a path) under mpiexec, as users do."""
     path = script if isinstance(script, Path) else WORKERS / script
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    e = clean_env()
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
     e.update(env or {})
     return subprocess.run([MPIEXEC, "-n", str(np), sys.executable, str(path), *args],
@@ -102,7 +102,7 @@ def test_ranks_agree_on_where_the_channel_starts():
     ranks agree (0 on any rank keeps MPI for all), so every collective takes the same path on
     both; routed apart, a large one would wait on two transports until the timeout."""
     path = WORKERS / "mpi_direct.py"
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    e = clean_env()
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
     e["HVDLITE_MPI_WAIT"] = "spin"
     proc = subprocess.run([MPIEXEC, "-n", "1", "-env", "HVDLITE_MPI_SHM_MIN_MB", "1",
@@ -211,7 +211,7 @@ def test_agreement_round_encoding():
     its width limit and the error for overlapping rounds; and backends/mpi._Sequence, started
     lazily, run to the end by test() or wait(), complete for good
     (workers/mpi_agreement_units.py)."""
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    e = clean_env()
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, str(WORKERS / "mpi_agreement_units.py")],
                           capture_output=True, text=True, timeout=50, env=e)

@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from util import free_port
+from util import clean_env, env_reports, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 HVDLITE_RUN = str(Path(sys.executable).parent / "hvdlite-run")
@@ -116,7 +116,7 @@ MaxSessions 100
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    env = clean_env()
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["HVDLITE_START_TIMEOUT"] = "60"
     env.update(extra or {})
@@ -127,15 +127,6 @@ def launch(*args: object, env: dict[str, str] | None = None,
            timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([HVDLITE_RUN, *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=_env(env))
-
-
-def env_reports(stdout: str) -> dict[int, dict[str, str]]:
-    reports = {}
-    for line in stdout.splitlines():
-        m = re.fullmatch(r"\[(\d+)\]<stdout>:ENV (.*)", line)
-        if m:
-            reports[int(m.group(1))] = json.loads(m.group(2))
-    return reports
 
 
 def processes_mentioning(marker: str) -> list[psutil.Process]:

@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from util import clean_env
+
 ROOT = Path(__file__).resolve().parent.parent
 HVDLITE_RUN = str(Path(sys.executable).parent / "hvdlite-run")
 FORBIDDEN = ("torch", "tensorflow", "numpy", "hvdlite.common.engine", "hvdlite.common.basics")
 
 
 def _env(extra_path: str = "") -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, str(ROOT)) if p)
     return env
 

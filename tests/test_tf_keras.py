@@ -18,6 +18,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 from tf_launch import HAVE_TF_KERAS, SKIP_NO_TF, TF_ENV, Run, worker_path  # noqa: E402
+from util import clean_env  # noqa: E402
 
 pytestmark = SKIP_NO_TF
 
@@ -106,7 +107,7 @@ def test_elastic_keras_state_survives_killed_worker(tmp_path):
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat {hosts}\n")
     script.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    env = clean_env()
     env.update(TF_ENV)
     env.update({"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                 "ELASTIC_MARK_DIR": str(marks), "TF_ELASTIC_STALL_AT": "6",

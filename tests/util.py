@@ -1,7 +1,9 @@
 """Run a worker script under the real `hvdlite-run`, the way users start jobs."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +11,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 HVDLITE_RUN = str(Path(sys.executable).parent / "hvdlite-run")
+
+
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without inherited HVDLITE_*/HOROVOD_* settings (a job a test
+    starts sees only what the test sets), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    env.update(extra or {})
+    return env
+
+
+def env_reports(stdout: str) -> dict[int, dict[str, str]]:
+    """Each rank's `ENV {...}` line (launcher_scripts/env_dump.py), by rank."""
+    reports = {}
+    for line in stdout.splitlines():
+        m = re.fullmatch(r"\[(\d+)\]<stdout>:ENV (.*)", line)
+        if m:
+            reports[int(m.group(1))] = json.loads(m.group(2))
+    return reports
 
 
 def hvdlite_run(script: str | os.PathLike, np: int = 2, args: list[str] | None = None,
@@ -69,7 +89,7 @@ def spawn_ranks(script: str | os.PathLike, np: int = 2, args: list[str] | None =
     port = free_port()
     procs = []
     for r in range(np):
-        e = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+        e = clean_env()
         e.update({"HOROVOD_RANK": str(r), "HOROVOD_SIZE": str(np),
                   "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
                   "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
