@@ -10,7 +10,6 @@ import dataclasses
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from typing import Optional

@@ -494,5 +494,5 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> 
 
 __all__ = ["Buffer", "Handle", "allreduce", "allreduce_now", "allgather", "broadcast",
            "reducescatter", "alltoall", "join", "barrier", "broadcast_object", "allgather_object",
-           "set_id", "set_ranks", "dtype_name", "check_reduce_op", "resolve_names", "reset",
+           "set_id", "set_ranks", "dtype_name", "check_reduce_op", "resolve_names",
            "AVERAGE", "SUM", "ADASUM", "MIN", "MAX", "PRODUCT"]

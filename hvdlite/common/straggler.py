@@ -10,7 +10,6 @@ median rank (the median rank = 1.00; 3.00 means three times as long). Turned on 
 """
 from __future__ import annotations
 
-import os
 import statistics
 
 from . import config  # noqa: E402

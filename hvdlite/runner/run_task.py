@@ -6,7 +6,6 @@ rank environment (store address, rank, job secret), so no secret or address is o
 from __future__ import annotations
 
 import datetime
-import os
 import sys
 import traceback
 
