@@ -526,7 +526,7 @@ class Executor:
 
     def reducescatter(self, comm, resp: Response, inputs: list) -> list[torch.Tensor]:
         dtype = DTYPES[resp.dtype]
-        size, me = comm.size, comm.rank
+        size = comm.size
         op = SUM if resp.reduce_op == AVERAGE else resp.reduce_op
         post = resp.postscale / size if resp.reduce_op == AVERAGE else resp.postscale
         rows = [self.split_rows(s[0], size) if s else [0] * size for s in resp.shapes]
@@ -572,7 +572,7 @@ class Executor:
     # ------------------------------------------------------------------ allgather
     def allgather(self, comm, resp: Response, inputs: list) -> list[torch.Tensor]:
         dtype = DTYPES[resp.dtype]
-        size, me = comm.size, comm.rank
+        size = comm.size
         itemsize = torch.empty((), dtype=dtype).element_size()
         row_bytes = [math.prod(s[1:]) * itemsize for s in resp.shapes]
         dims = resp.rank_dims

@@ -37,9 +37,8 @@ from . import collectives, rendezvous
 from .exceptions import HorovodInternalError, HorovodMismatchError
 from .flight_recorder import RECORDER, dump, dump_async
 from .backends.base import DONE
-from .messages import (ADASUM, ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER,
-                       BROADCAST, ERROR, JOIN, REDUCESCATTER, REMOVE_PROCESS_SET, TYPE_NAMES,
-                       Request, Response)
+from .messages import (ADASUM, ADD_PROCESS_SET, ALLREDUCE, BARRIER, ERROR, JOIN,
+                       REMOVE_PROCESS_SET, TYPE_NAMES, Request, Response)
 from .protocol import PEER_INLINE_FLOATS, Item, Msg
 from .response_cache import RankCache
 from .buckets import BucketPlanner

@@ -21,7 +21,6 @@ Design:
 """
 from __future__ import annotations
 
-import os
 import warnings
 import weakref
 from contextlib import contextmanager

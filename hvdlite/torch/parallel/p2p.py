@@ -25,7 +25,6 @@ A message may be a tensor, None, or a (possibly nested once) tuple/list of tenso
 """
 from __future__ import annotations
 
-import os
 import zlib
 from typing import Any, Callable, Optional, Sequence
 
