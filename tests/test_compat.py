@@ -23,7 +23,8 @@ TORCH_CHECKS = ["alltoall_errors", "reducescatter_adasum", "mismatch", "process_
 TF_CHECKS = [f"{c}_{m}" for m in ("eager", "function")
              for c in ("mismatch", "invalid", "sparse_dtype", "partial_tape")] + [
     "scalars_and_arrays", "sync_batch_norm", "process_set_args", "duplicate_sets"]
-KERAS_CHECKS = ["api", "collectives", "fit", "lr_callbacks", "load_model"]
+KERAS_CHECKS = ["api", "collectives", "fit", "lr_callbacks", "accumulation_and_groups",
+                "load_model"]
 
 _runs: dict = {}
 

@@ -9,6 +9,13 @@ import copy
 from .messages import ALLGATHER, BROADCAST, FUSABLE_TYPES, Response
 
 
+def split_list(lst: list, n: int) -> list[list]:
+    """Split `lst` into `n` chunks of nearly equal length (the first ones one longer): Horovod's
+    `groups=n` for a DistributedOptimizer's gradients, in every frontend."""
+    d, r = divmod(len(lst), n)
+    return [lst[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
+
+
 def _compatible(a: Response, b: Response, group_fusion: bool) -> bool:
     if a.type != b.type or a.type not in FUSABLE_TYPES or a.error or b.error:
         return False

@@ -7,11 +7,14 @@ averages the gradients first, here with one grouped `hvdlite.torch` allreduce.
 """
 from __future__ import annotations
 
+import warnings
+
 import keras
 import numpy as np
 import torch
 
 from .. import torch as _hvd
+from ..common.fusion import split_list
 from ..common.messages import handle_average_backwards_compatibility
 from ..torch import (Adasum, Average, Compression, HorovodInternalError,  # noqa: F401
                      HostsUpdatedInterrupt, Max, Min, Product, ProcessSet, Sum, add_process_set,
@@ -20,6 +23,7 @@ from ..torch import (Adasum, Average, Compression, HorovodInternalError,  # noqa
                      is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
                      mpi_enabled, mpi_threads_supported, nccl_built, rank, remove_process_set,
                      rocm_built, shutdown, size, start_timeline, stop_timeline)
+from ..torch.compression import is_stateful
 
 
 class _Distributed:
@@ -30,19 +34,74 @@ class _Distributed:
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
         cfg = self._hvd
+        if cfg["passes"] > 1:
+            grads = self._hvd_accumulate(grads)
+            if grads is None:
+                # Not the N-th pass: no update, but the step count goes on, as in Horovod (and
+                # in the TensorFlow backend), so learning-rate schedules see every pass.
+                self.iterations.assign_add(1)
+                return None
         present = [i for i, g in enumerate(grads) if g is not None]
         if present and cfg["process_set"].included() is not False and _hvd.size() > 1:
-            tensors = [grads[i] for i in present]
-            compressed, ctxs = zip(*[cfg["compression"].compress(t) for t in tensors])
             f = cfg["predivide"]
             pre, post = (1.0 / f, f) if f != 1.0 else (1.0, 1.0)
-            reduced = _hvd.grouped_allreduce(list(compressed), op=cfg["op"],
-                                             name=f"{self.name}.DistributedOptimizer",
-                                             prescale_factor=pre, postscale_factor=post,
-                                             process_set=cfg["process_set"])
-            for i, r, c in zip(present, reduced, ctxs):
-                grads[i] = cfg["compression"].decompress(r, c)
+            for k, members in enumerate(self._hvd_groups(present, trainable_variables)):
+                compressed, ctxs = zip(*[cfg["compression"].compress(grads[i])
+                                         for i in members])
+                reduced = _hvd.grouped_allreduce(
+                    list(compressed), op=cfg["op"],
+                    name=f"{self.name}.DistributedOptimizer" + (f".group_{k}" if k else ""),
+                    prescale_factor=pre, postscale_factor=post, process_set=cfg["process_set"])
+                for i, r, c in zip(members, reduced, ctxs):
+                    grads[i] = cfg["compression"].decompress(r, c)
         return super().apply(grads, trainable_variables)
+
+    def _hvd_accumulate(self, grads: list):
+        """Add this pass's gradients to the sums; on every `backward_passes_per_step`-th pass
+        return the sums (divided by the number of passes with `average_aggregated_gradients`)
+        and start again, else None. Kept per position: Keras passes the same variables, in the
+        same order, on every step."""
+        cfg = self._hvd
+        sums = cfg["sums"]
+        with torch.no_grad():
+            for i, g in enumerate(grads):
+                if g is None:
+                    continue
+                g = _as_torch(g)
+                if i in sums:
+                    sums[i].add_(g)
+                else:
+                    sums[i] = g.detach().clone()
+        cfg["count"] += 1
+        if cfg["count"] < cfg["passes"]:
+            return None
+        n = cfg["passes"] if cfg["average_aggregated"] else 1
+        out = [None] * len(grads)
+        for i, total in sums.items():
+            out[i] = total / n if n != 1 else total
+        cfg["sums"], cfg["count"] = {}, 0
+        return out
+
+    def _hvd_groups(self, present: list, trainable_variables) -> list:
+        """The gradients' positions, grouped as `groups` says: all in one grouped allreduce by
+        default; `groups=n`: n groups of nearly equal size; a list of lists of variables: those
+        together, every other gradient on its own (as Horovod's TensorFlow optimizer)."""
+        groups = self._hvd["groups"]
+        if groups is None:
+            return [present]
+        if isinstance(groups, int):
+            return [g for g in split_list(present, groups) if g]
+        variables = list(trainable_variables if trainable_variables is not None
+                         else self._trainable_variables)
+        position = {id(variables[i]): i for i in present}
+        out, used = [], set()
+        for group in groups:
+            members = sorted({position[id(v)] for v in group if id(v) in position} - used)
+            used.update(members)
+            if members:
+                out.append(members)
+        out.extend([i] for i in present if i not in used)
+        return out
 
 
 _CLASSES: dict = {}
@@ -65,16 +124,31 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          process_set=global_process_set, scale_local_gradients=True):
     """Wrap a Keras 3 optimizer so that gradients are averaged (or summed) over the ranks of
     `process_set` before each update (Horovod's arguments; see hvdlite.tensorflow.keras).
-    On the torch backend every gradient goes in one grouped allreduce; `groups`,
-    `backward_passes_per_step > 1` and local variables are the TensorFlow backend's only."""
+
+    On the torch backend the gradients go in one grouped allreduce, or in the groups `groups`
+    names (an int n: n groups of nearly equal size; a list of lists of variables; `num_groups`
+    is its deprecated alias). `backward_passes_per_step=N` adds up N passes' gradients locally
+    and reduces and applies them once, on the N-th (the others only advance
+    `optimizer.iterations`); `average_aggregated_gradients` divides the sum by N. Local
+    variables (`scale_local_gradients`) are the TensorFlow backend's only."""
     if op not in (Average, Sum):
         raise ValueError("op currently only supports Average and Sum")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if backward_passes_per_step != 1 or groups is not None or num_groups:
-        raise NotImplementedError(
-            "hvdlite.keras on the torch backend reduces all gradients in one group every step; "
-            "backward_passes_per_step > 1 and groups need the TensorFlow backend")
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed "
+                      "in v0.23.0.", DeprecationWarning)
+        if groups is None:
+            groups = num_groups
+    if groups is not None and not (isinstance(groups, list) or
+                                   (isinstance(groups, int) and groups > 0)):
+        raise ValueError("groups should be a non-negative integer or a list of list of "
+                         "keras.Variable.")
+    if groups is not None and is_stateful(compression):
+        raise ValueError("stateful compression (int8, powersgd) reduces tensor by tensor; "
+                         "do not pass groups/num_groups with it")
     if getattr(optimizer, "_hvd_distributed", False):
         raise ValueError(f"{type(optimizer).__name__} is already a hvdlite DistributedOptimizer")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -86,7 +160,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     new = _distributed_class(type(optimizer)).from_config(config)
     object.__setattr__(new, "_hvd", {"compression": compression, "op": op,
                                      "predivide": float(gradient_predivide_factor),
-                                     "process_set": process_set})
+                                     "process_set": process_set, "groups": groups,
+                                     "passes": int(backward_passes_per_step),
+                                     "average_aggregated": bool(average_aggregated_gradients),
+                                     "sums": {}, "count": 0})
     return new
 
 

@@ -20,15 +20,10 @@ from ..common import basics as _basics
 from ..common import naming as _naming
 from ..common import ops as _cops
 from ..common.elastic import may_resize
+from ..common.fusion import split_list
 from . import mpi_ops as _ops
 from .compression import Compression
 from .mpi_ops import Adasum, Average, Max, Min, Product, Sum, global_process_set
-
-
-def split_list(lst, n):
-    """Split `lst` into `n` chunks of nearly equal length (the first ones one longer)."""
-    d, r = divmod(len(lst), n)
-    return [lst[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
 
 
 def var_ref(v):

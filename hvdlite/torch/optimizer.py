@@ -17,17 +17,12 @@ from ..common import adasum as _adasum
 from ..common import basics as _basics
 from ..common import ops as _ops
 from ..common.elastic import may_resize
+from ..common.fusion import split_list
 from .compression import Compression, NoneCompressor, drive_all, is_stateful
 from .flat_grads import FlatGradients
 from .mpi_ops import (Adasum, Average, Sum, _allreduce_batch_async, allreduce_async_,
                       global_process_set, grouped_allreduce_async_, sparse_allreduce_async,
                       synchronize)
-
-
-def split_list(lst, n):
-    """Split `lst` into `n` chunks of nearly equal length (the first ones one longer)."""
-    d, r = divmod(len(lst), n)
-    return [lst[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
 
 
 # The handle a deferred gradient holds until backpropagation ends (_DistributedOptimizer._defer).

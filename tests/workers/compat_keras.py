@@ -132,6 +132,42 @@ def check_lr_callbacks():
         raise AssertionError("a learning-rate schedule was overwritten without an error")
 
 
+def check_accumulation_and_groups():
+    """backward_passes_per_step=2 with average_aggregated_gradients, and explicit groups, on
+    either backend: 2 passes of 2 rows on each rank then one update equal one process's step
+    on the 4 * SIZE rows; `groups` changes how the gradients travel, not the result."""
+    x, y = data()
+    per_rank = 2
+    idx = _my_rows(x, per_rank)
+    dist = model(seed=400 + RANK)
+    layer = dist.layers[0]
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.1),
+                                   backward_passes_per_step=2, average_aggregated_gradients=True,
+                                   groups=[[layer.kernel, layer.bias]])
+    fit(dist, opt, x[idx], y[idx], [hvd.callbacks.BroadcastGlobalVariablesCallback(0)], per_rank)
+    ref = model(seed=400)
+    fit(ref, keras.optimizers.SGD(learning_rate=0.1), x, y, [], 2 * per_rank * SIZE)
+    for a, b in zip(dist.get_weights(), ref.get_weights()):
+        close(a, b, "2 passes accumulated == one process on the global batch", 1e-4)
+    steps = 2 * len(idx) // per_rank      # (fit's 2 epochs)
+    close(opt.iterations, steps, "iterations count every pass, as Horovod")
+
+    dist = model(seed=500 + RANK)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.1), groups=3)
+    fit(dist, opt, x[idx], y[idx], [hvd.callbacks.BroadcastGlobalVariablesCallback(0)], per_rank)
+    ref = model(seed=500)
+    fit(ref, keras.optimizers.SGD(learning_rate=0.1), x, y, [], per_rank * SIZE)
+    for a, b in zip(dist.get_weights(), ref.get_weights()):
+        close(a, b, "groups=3 == one process on the global batch", 1e-4)
+    try:
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=0)
+    except ValueError as exc:
+        if "backward_passes_per_step must be > 0" not in str(exc):
+            raise
+    else:
+        raise AssertionError("backward_passes_per_step=0 was accepted")
+
+
 def check_collectives():
     out = hvd.allreduce(np.array([1.0 + RANK, 2.0]))
     close(out, [1.0 + (SIZE - 1) / 2.0, 2.0], "allreduce averages")
@@ -216,6 +252,7 @@ def main():
     check("collectives", check_collectives)
     check("fit", check_fit)
     check("lr_callbacks", check_lr_callbacks)
+    check("accumulation_and_groups", check_accumulation_and_groups)
     check("load_model", check_load_model)
     finish()
     hvd.shutdown()
