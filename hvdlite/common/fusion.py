@@ -16,6 +16,23 @@ def split_list(lst: list, n: int) -> list[list]:
     return [lst[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
 
 
+def resolve_groups(groups, num_groups: int = 0, member: str = "tensors"):
+    """Horovod's `groups` argument of a DistributedOptimizer, with its deprecated alias
+    `num_groups` (a warning; `groups` wins when both are given), checked: None, an int > 0, or a
+    list of lists of `member`. Returns `groups`."""
+    if num_groups != 0:
+        import warnings
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed "
+                      "in v0.23.0.", DeprecationWarning, stacklevel=3)
+        if groups is None:
+            groups = num_groups
+    if groups is not None and not (isinstance(groups, list) or
+                                   (isinstance(groups, int) and groups > 0)):
+        raise ValueError(f"groups should be a non-negative integer or a list of list of "
+                         f"{member}.")
+    return groups
+
+
 def _compatible(a: Response, b: Response, group_fusion: bool) -> bool:
     if a.type != b.type or a.type not in FUSABLE_TYPES or a.error or b.error:
         return False

@@ -7,14 +7,12 @@ averages the gradients first, here with one grouped `hvdlite.torch` allreduce.
 """
 from __future__ import annotations
 
-import warnings
-
 import keras
 import numpy as np
 import torch
 
 from .. import torch as _hvd
-from ..common.fusion import split_list
+from ..common.fusion import resolve_groups, split_list
 from ..common.messages import handle_average_backwards_compatibility
 from ..torch import (Adasum, Average, Compression, HorovodInternalError,  # noqa: F401
                      HostsUpdatedInterrupt, Max, Min, Product, ProcessSet, Sum, add_process_set,
@@ -137,15 +135,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be > 0")
-    if num_groups != 0:
-        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed "
-                      "in v0.23.0.", DeprecationWarning)
-        if groups is None:
-            groups = num_groups
-    if groups is not None and not (isinstance(groups, list) or
-                                   (isinstance(groups, int) and groups > 0)):
-        raise ValueError("groups should be a non-negative integer or a list of list of "
-                         "keras.Variable.")
+    groups = resolve_groups(groups, num_groups, "keras.Variable")
     if groups is not None and is_stateful(compression):
         raise ValueError("stateful compression (int8, powersgd) reduces tensor by tensor; "
                          "do not pass groups/num_groups with it")

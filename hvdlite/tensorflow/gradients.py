@@ -20,7 +20,7 @@ from ..common import basics as _basics
 from ..common import naming as _naming
 from ..common import ops as _cops
 from ..common.elastic import may_resize
-from ..common.fusion import split_list
+from ..common.fusion import resolve_groups, split_list
 from . import mpi_ops as _ops
 from .compression import Compression
 from .mpi_ops import Adasum, Average, Max, Min, Product, Sum, global_process_set
@@ -54,21 +54,12 @@ def nothing_to_reduce(set_id: int) -> bool:
 
 def check_reduce_args(op, gradient_predivide_factor, num_groups, groups):
     """Horovod's argument checks, shared by every gradient wrapper; returns `groups`."""
-    import warnings
     if gradient_predivide_factor != 1.0:
         if _basics.rocm_built():
             raise ValueError("gradient_predivide_factor not supported yet with ROCm")
         if op != Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if num_groups != 0:
-        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed "
-                      "in v0.23.0.", DeprecationWarning)
-        if groups is None:
-            groups = num_groups
-    if groups is not None:
-        if not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
-            raise ValueError("groups should be a non-negative integer or a list of list of "
-                             "tf.Variable.")
+    groups = resolve_groups(groups, num_groups, "tf.Variable")
     if op == Adasum:
         raise NotImplementedError("op=Adasum is not available yet in hvdlite; use Average or Sum.")
     if op not in (Average, Sum, Min, Max, Product):

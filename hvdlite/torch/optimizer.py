@@ -17,7 +17,7 @@ from ..common import adasum as _adasum
 from ..common import basics as _basics
 from ..common import ops as _ops
 from ..common.elastic import may_resize
-from ..common.fusion import split_list
+from ..common.fusion import resolve_groups, split_list
 from .compression import Compression, NoneCompressor, drive_all, is_stateful
 from .flat_grads import FlatGradients
 from .mpi_ops import (Adasum, Average, Sum, _allreduce_batch_async, allreduce_async_,
@@ -194,10 +194,7 @@ class _DistributedOptimizer(_HookedOptimizer):
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
 
-        if groups is not None:
-            if not (isinstance(groups, list) or groups > 0):
-                raise ValueError("groups should be a non-negative integer or a list of list of "
-                                 "torch.Tensor.")
+        if resolve_groups(groups, 0, "torch.Tensor") is not None:
             if isinstance(groups, list):
                 grouped_parameter_ids = set()
                 for group in groups:
@@ -625,11 +622,7 @@ def DistributedOptimizer(optimizer, named_parameters=None,
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be > 0")
 
-    if num_groups != 0:
-        warnings.warn("Parameter `num_groups` has been replaced by `groups` "
-                      "and will be removed in v0.23.0.", DeprecationWarning)
-        if groups is None:
-            groups = num_groups
+    groups = resolve_groups(groups, num_groups, "torch.Tensor")
 
     if zero_stage:
         if op == Adasum:
