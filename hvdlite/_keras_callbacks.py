@@ -1,4 +1,4 @@
-"""What Horovod's Keras callbacks do, once, for both Keras frontends.
+"""What Horovod's Keras callbacks (and its elastic ones) do, once, for both Keras frontends.
 
 hvdlite has two: `hvdlite.tensorflow.keras.callbacks` (Keras 3 or tf_keras on TensorFlow) and
 `hvdlite.keras.callbacks` on Keras 3's torch backend. Their callbacks have the same names,
@@ -299,3 +299,74 @@ class BestModelCheckpointLogic:
         parent = getattr(super(), "on_train_begin", None)
         if parent is not None:
             parent(logs)
+
+
+# ---------------------------------------------------------------------- elastic training
+class CommitStateLogic:
+    """Commit `state` every `batches_per_commit` batches and at the end of every epoch."""
+
+    def __init__(self, state, batches_per_commit=1):
+        super().__init__()
+        if batches_per_commit <= 0:
+            raise ValueError("batches_per_commit must be > 0")
+        self.state = state
+        self.batches_per_commit = batches_per_commit
+        self.batches_remaining = batches_per_commit
+
+    def on_train_begin(self, logs=None):
+        # Every rank starts counting afresh after a reset, so they commit at the same steps.
+        self.batches_remaining = self.batches_per_commit
+
+    def on_batch_end(self, batch, logs=None):
+        self.batches_remaining -= 1
+        if self.batches_remaining == 0:
+            self.commit()
+            self.batches_remaining = self.batches_per_commit
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.commit()
+
+    def commit(self):
+        self.state.commit()
+
+
+class UpdateBatchStateLogic:
+    """Track the batch of the current epoch in `state.batch` (0 at epoch ends); when training
+    resumes mid-epoch, shorten that epoch by the batches already done (where Keras reads
+    `params['steps']`: tf_keras)."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+        self.steps_per_epoch = None
+
+    def on_train_begin(self, logs=None):
+        self.steps_per_epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.params.get("steps"):
+            if self.steps_per_epoch is None:
+                self.steps_per_epoch = self.params.get("steps")
+            self.params["steps"] = self.steps_per_epoch - self.state.batch
+
+    def on_batch_end(self, batch, logs=None):
+        self.state.batch = batch
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.batch = 0
+
+
+class UpdateEpochStateLogic:
+    """Track the global epoch in `state.epoch` across resets (Keras counts from 0 at every
+    `fit`): use `model.fit(..., epochs=total - state.epoch)`."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+        self.initial_epoch = self.state.epoch
+
+    def on_train_begin(self, logs=None):
+        self.initial_epoch = self.state.epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.epoch = self.initial_epoch + epoch + 1

@@ -80,6 +80,12 @@ class _Distributed:
         cfg["sums"], cfg["count"] = {}, 0
         return out
 
+    def _hvd_reset_accumulation(self) -> None:
+        """Drop the passes added up since the last reduction (an elastic reset, on every rank:
+        a rank that joined, or one restored to the last commit, would otherwise count the
+        passes to the next reduction differently, and the ranks' reductions would not pair)."""
+        self._hvd["sums"], self._hvd["count"] = {}, 0
+
     def _hvd_groups(self, present: list, trainable_variables) -> list:
         """The gradients' positions, grouped as `groups` says: all in one grouped allreduce by
         default; `groups=n`: n groups of nearly equal size; a list of lists of variables: those

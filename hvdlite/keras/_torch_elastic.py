@@ -1,56 +1,88 @@
-"""Elastic Keras training on the torch backend: `KerasState` keeps the model's and the
-optimizer's variables (committed in memory, restored on failure, synced from rank 0)."""
+"""Elastic Keras training on the torch backend (`horovod.keras.elastic`'s API).
+
+`KerasState` keeps the model's and the optimizer's variables with plain attributes (committed
+in memory, restored on failure, synced from the rank with the most commits after a reset), and
+the callbacks are those of hvdlite.tensorflow.keras.elastic (hvdlite/_keras_callbacks.py):
+
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+    callbacks = [hvd.elastic.UpdateBatchStateCallback(state),
+                 hvd.elastic.UpdateEpochStateCallback(state),
+                 hvd.elastic.CommitStateCallback(state)]
+
+    @hvd.elastic.run
+    def train(state):
+        model.fit(x, y, epochs=epochs - state.epoch, callbacks=callbacks)
+"""
 from __future__ import annotations
 
 import keras
 
-from ..torch.elastic import (HorovodInternalError, HostsUpdatedInterrupt,  # noqa: F401
-                             ObjectState, run)
-from ..common.elastic import State
+from .. import _keras_callbacks as _logic
+from ..common.elastic import HostUpdateResult, ObjectState, State
+from ..torch.elastic import HorovodInternalError, HostsUpdatedInterrupt, run  # noqa: F401
 from ._torch import broadcast_variables
 
 
-class KerasState(State):
-    """Model (and optimizer) variables plus extra attributes (`epoch=0, batch=0`)."""
+class KerasState(ObjectState):
+    """A Keras model, its optimizer (default: `model.optimizer`) and plain attributes
+    (`epoch=0, batch=0`), committed, restored and synced together."""
 
     def __init__(self, model, optimizer=None, **kwargs):
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer",
                                                                          None)
-        self._extra = ObjectState(**kwargs)
-        for k in kwargs:
-            setattr(self, k, getattr(self._extra, k))
-        self._saved = None
-        super().__init__()
-        self.save()
+        self._saved_variables: list = []
+        self._save_variables()
+        super().__init__(**kwargs)
 
-    def _variables(self):
+    def _variables(self) -> list:
         out = list(self.model.variables)
         if self.optimizer is not None and getattr(self.optimizer, "built", False):
             out += list(self.optimizer.variables)
         return out
 
-    def save(self):
-        self._saved = [keras.ops.convert_to_numpy(v.value).copy() for v in self._variables()]
-        for k in self._extra._saved_state:
-            setattr(self._extra, k, getattr(self, k))
-        self._extra.save()
+    def _save_variables(self) -> None:
+        self._saved_variables = [keras.ops.convert_to_numpy(v.value).copy()
+                                 for v in self._variables()]
 
-    def restore(self):
-        for v, s in zip(self._variables(), self._saved or []):
-            v.assign(s)
-        self._extra.restore()
-        for k in self._extra._saved_state:
-            setattr(self, k, getattr(self._extra, k))
+    def save(self) -> None:
+        self._save_variables()
+        super().save()
 
-    def sync(self):
-        broadcast_variables(self._variables(), 0)
-        for k in self._extra._saved_state:
-            setattr(self._extra, k, getattr(self, k))
-        self._extra.sync()
-        for k in self._extra._saved_state:
-            setattr(self, k, getattr(self._extra, k))
-        self.save()
+    def restore(self) -> None:
+        for v, saved in zip(self._variables(), self._saved_variables):
+            v.assign(saved)
+        super().restore()
+
+    def reset(self) -> None:
+        # After every membership change, on every rank: a DistributedOptimizer with
+        # backward_passes_per_step > 1 drops its partial sums, so all ranks count the passes to
+        # the next reduction alike (_Distributed._hvd_reset_accumulation).
+        drop = getattr(self.optimizer, "_hvd_reset_accumulation", None)
+        if drop is not None:
+            drop()
+        super().reset()
+
+    def sync(self) -> None:
+        # From sync_root, the rank the reset agreement chose (the most commits): rank 0 may be
+        # a worker that just joined, with nothing trained.
+        broadcast_variables(self._variables(), self.sync_root)
+        self._save_variables()
+        super().sync()
 
 
-__all__ = ["KerasState", "ObjectState", "run", "HorovodInternalError", "HostsUpdatedInterrupt"]
+class CommitStateCallback(_logic.CommitStateLogic, keras.callbacks.Callback):
+    __doc__ = _logic.CommitStateLogic.__doc__
+
+
+class UpdateBatchStateCallback(_logic.UpdateBatchStateLogic, keras.callbacks.Callback):
+    __doc__ = _logic.UpdateBatchStateLogic.__doc__
+
+
+class UpdateEpochStateCallback(_logic.UpdateEpochStateLogic, keras.callbacks.Callback):
+    __doc__ = _logic.UpdateEpochStateLogic.__doc__
+
+
+__all__ = ["KerasState", "CommitStateCallback", "UpdateBatchStateCallback",
+           "UpdateEpochStateCallback", "run", "State", "ObjectState", "HostUpdateResult",
+           "HorovodInternalError", "HostsUpdatedInterrupt"]

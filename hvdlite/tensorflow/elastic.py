@@ -136,6 +136,14 @@ class TensorFlowKerasState(ObjectState):
         self._load_model()
         super().restore()
 
+    def reset(self) -> None:
+        # A DistributedOptimizer with backward_passes_per_step > 1: every rank drops its partial
+        # sums, so all count the passes to the next reduction alike (LocalGradientAggregationHelper.reset).
+        agg = getattr(getattr(self.optimizer, "_hvd", None), "agg", None)
+        if agg is not None:
+            agg.reset()
+        super().reset()
+
     def sync(self) -> None:
         _build_keras_optimizer(self.model, self.optimizer)
         _broadcast_in_place(_variables_of(self.model), self.sync_root,

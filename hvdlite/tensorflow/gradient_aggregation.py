@@ -55,6 +55,15 @@ class LocalGradientAggregationHelper:
                 self._acc[key] = tf.Variable(tf.zeros(v.shape, dtype=dtype), trainable=False,
                                              name=f"{self.name}_acc")
 
+    def reset(self) -> None:
+        """Drop the passes added up since the last reduction (an elastic reset: every rank
+        starts counting again from 0, so their reductions stay in step; a rank that joined, or
+        one restored to the last commit, would otherwise count differently)."""
+        if self.counter is not None:
+            self.counter.assign(0)
+        for acc in self._acc.values():
+            acc.assign(tf.zeros_like(acc))
+
     def register_local_var(self, var) -> None:
         from .gradients import var_ref
         self._local.add(var_ref(var))

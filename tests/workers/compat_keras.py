@@ -168,6 +168,37 @@ def check_accumulation_and_groups():
         raise AssertionError("backward_passes_per_step=0 was accepted")
 
 
+def check_elastic_state():
+    """hvdlite.keras.elastic on either backend: the callbacks exist; sync() takes the variables
+    and attributes of the rank the reset agreement chose (sync_root: after a reset rank 0 may
+    be a worker that just joined), and a reset drops a DistributedOptimizer's partial sums on
+    every rank, so all count the passes to the next reduction alike."""
+    for name in ("CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback"):
+        if not hasattr(hvd.elastic, name):
+            raise AssertionError(f"hvdlite.keras.elastic lacks {name}")
+    m = model(seed=700 + RANK)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.1),
+                                   backward_passes_per_step=2)
+    m.compile(optimizer=opt, loss="mse", jit_compile=False)
+    opt.build(m.trainable_variables)
+    state = hvd.elastic.KerasState(m, batch=RANK + 3, epoch=0)
+    state._sync_root = SIZE - 1           # what the reset agreement sets (common/elastic.py)
+    state.sync()
+    for a, b in zip(m.get_weights(), model(seed=700 + SIZE - 1).get_weights()):
+        close(a, b, "variables synced from sync_root")
+    if state.batch != SIZE - 1 + 3:
+        raise AssertionError(f"state.batch {state.batch}: not synced from sync_root")
+
+    v = m.trainable_variables
+    before = [np.asarray(keras.ops.convert_to_numpy(x)) for x in v]
+    opt.apply([keras.ops.ones_like(x) * 100.0 for x in v], v)    # pass 1 of 2: no update
+    state.on_reset()                      # what every rank runs after a membership change
+    for _ in range(2):
+        opt.apply([keras.ops.ones_like(x) for x in v], v)
+    for x, w in zip(v, before):
+        close(x, w - 0.1 * 2.0, "the reset dropped the partial sum (2 passes of ones)")
+
+
 def check_collectives():
     out = hvd.allreduce(np.array([1.0 + RANK, 2.0]))
     close(out, [1.0 + (SIZE - 1) / 2.0, 2.0], "allreduce averages")
@@ -253,6 +284,7 @@ def main():
     check("fit", check_fit)
     check("lr_callbacks", check_lr_callbacks)
     check("accumulation_and_groups", check_accumulation_and_groups)
+    check("elastic_state", check_elastic_state)
     check("load_model", check_load_model)
     finish()
     hvd.shutdown()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from ... import _keras_callbacks as _logic
 from ..elastic import (HorovodInternalError, HostsUpdatedInterrupt, HostUpdateResult,
                        ObjectState, State, TensorFlowKerasState, run)
 
@@ -41,70 +42,13 @@ class KerasState(TensorFlowKerasState):
         super().__init__(model, optimizer=optimizer, backend=tf.keras.backend, **kwargs)
 
 
-class CommitStateCallback(_keras.callbacks.Callback):
-    """Commit `state` every `batches_per_commit` batches and at the end of every epoch."""
-
-    def __init__(self, state, batches_per_commit=1):
-        super().__init__()
-        if batches_per_commit <= 0:
-            raise ValueError("batches_per_commit must be > 0")
-        self.state = state
-        self.batches_per_commit = batches_per_commit
-        self.batches_remaining = batches_per_commit
-
-    def on_train_begin(self, logs=None):
-        # Every rank starts counting afresh after a reset, so they commit at the same steps.
-        self.batches_remaining = self.batches_per_commit
-
-    def on_batch_end(self, batch, logs=None):
-        self.batches_remaining -= 1
-        if self.batches_remaining == 0:
-            self.commit()
-            self.batches_remaining = self.batches_per_commit
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.commit()
-
-    def commit(self):
-        self.state.commit()
+class CommitStateCallback(_logic.CommitStateLogic, _keras.callbacks.Callback):
+    __doc__ = _logic.CommitStateLogic.__doc__
 
 
-class UpdateBatchStateCallback(_keras.callbacks.Callback):
-    """Track the batch of the current epoch in `state.batch` (0 at epoch ends); when training
-    resumes mid-epoch, shorten that epoch by the batches already done (tf_keras)."""
-
-    def __init__(self, state):
-        super().__init__()
-        self.state = state
-        self.steps_per_epoch = None
-
-    def on_train_begin(self, logs=None):
-        self.steps_per_epoch = None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        if self.params.get("steps"):
-            if self.steps_per_epoch is None:
-                self.steps_per_epoch = self.params.get("steps")
-            self.params["steps"] = self.steps_per_epoch - self.state.batch
-
-    def on_batch_end(self, batch, logs=None):
-        self.state.batch = batch
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.state.batch = 0
+class UpdateBatchStateCallback(_logic.UpdateBatchStateLogic, _keras.callbacks.Callback):
+    __doc__ = _logic.UpdateBatchStateLogic.__doc__
 
 
-class UpdateEpochStateCallback(_keras.callbacks.Callback):
-    """Track the global epoch in `state.epoch` across resets (Keras counts from 0 at every
-    `fit`): use `model.fit(..., epochs=total - state.epoch)`."""
-
-    def __init__(self, state):
-        super().__init__()
-        self.state = state
-        self.initial_epoch = self.state.epoch
-
-    def on_train_begin(self, logs=None):
-        self.initial_epoch = self.state.epoch
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.state.epoch = self.initial_epoch + epoch + 1
+class UpdateEpochStateCallback(_logic.UpdateEpochStateLogic, _keras.callbacks.Callback):
+    __doc__ = _logic.UpdateEpochStateLogic.__doc__
