@@ -14,6 +14,7 @@ CHECKS = [
     "op_sum",
     "gradient_predivide_factor",
     "backward_passes_per_step_2",
+    "elastic_reset_drops_a_partial_step",
     "too_many_backward_passes",
     "backward_raises_midway",
     "groups_int_and_num_groups",

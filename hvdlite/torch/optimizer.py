@@ -220,13 +220,33 @@ class _DistributedOptimizer(_HookedOptimizer):
                       and _graph_task_id is not None else None)
 
     def load_state_dict(self, *args, **kwargs):
+        self._forget_pending()
+        return self._hvd_base.load_state_dict(self, *args, **kwargs)
+
+    def _forget_pending(self) -> None:
+        """Forget the gradients in flight and the backward passes counted since the last step:
+        the next pass starts a step afresh (a loaded state, an elastic reset)."""
         self._handles = {}
         self._deferred, self._deferred_task = [], None
         self._synchronized = False
         self._should_synchronize = True
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
-        return self._hvd_base.load_state_dict(self, *args, **kwargs)
+
+    def _drop_partial_step(self) -> None:
+        """After an elastic reset, on every rank (torch/elastic/state.py): when some backward
+        passes of a step were already counted (`backward_passes_per_step` > 1, or a pass whose
+        step never came), forget them and their gradients (`p.grad = None`), so that every
+        rank, a newly joined one included, counts the passes to the next reduction from 0.
+        Otherwise a survivor one pass into a step of 2 reduced after one more pass while the
+        new rank waited for two: their collectives no longer paired up."""
+        partial = bool(self._handles) or any(
+            d != self.backward_passes_per_step for d in self._allreduce_delay.values())
+        if not partial:
+            return
+        self._forget_pending()
+        for p in self._allreduce_delay:
+            p.grad = None
 
     @staticmethod
     def find_duplicates(lst):

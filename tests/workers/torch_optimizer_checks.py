@@ -320,6 +320,34 @@ def backward_passes_per_step_2():
 
 
 @check
+def elastic_reset_drops_a_partial_step():
+    """An elastic reset one pass into a step of backward_passes_per_step=2: TorchState's reset
+    (what every rank runs after a membership change) makes the optimizer forget that pass, so
+    the ranks count the next step's passes alike and the step equals the reference's."""
+    model, ref = make_model(), make_model()
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=2)
+    ref_opt = sgd(ref)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt)
+    x, y = global_batch(70, salt=6)
+    (100.0 * F.mse_loss(model(local(x)), local(y))).backward()     # pass 1 of 2, then a reset
+    state.on_reset()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(d == 2 for d in opt._allreduce_delay.values()), opt._allreduce_delay
+    for step in range(2):
+        for micro in range(2):
+            x, y = global_batch(71 + 2 * step + micro, salt=6)
+            F.mse_loss(model(local(x)), local(y)).backward()
+            F.mse_loss(ref(x), y).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert_same_as(model, ref)
+    assert_identical_across_ranks(model)
+
+
+@check
 def too_many_backward_passes():
     model = make_model()
     opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())

@@ -72,6 +72,12 @@ class OptimizerStateHandler(StateHandler):
     def sync(self, root_rank: int) -> None:
         _functions.broadcast_optimizer_state(self.value, root_rank=root_rank)
 
+    def reset(self) -> None:
+        # A DistributedOptimizer drops a partly counted step (see _drop_partial_step).
+        drop = getattr(self.value, "_drop_partial_step", None)
+        if drop is not None:
+            drop()
+
 
 class ShardedOptimizerStateHandler(OptimizerStateHandler):
     """A `DistributedOptimizer(..., zero_stage=1|2)`: commit keeps the full (consolidated) state,
