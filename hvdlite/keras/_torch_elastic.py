@@ -64,8 +64,10 @@ class KerasState(ObjectState):
         super().reset()
 
     def sync(self) -> None:
-        # From sync_root, the rank the reset agreement chose (the most commits): rank 0 may be
-        # a worker that just joined, with nothing trained.
+        # From sync_root, the rank the reset agreement chose: the one with the most commits.
+        # Rank 0 is a survivor whenever one is left, but it may have fewer commits than another
+        # rank (a failure that cut a commit short on some ranks); syncing from it rolled every
+        # rank back past a commit, and the attributes came from rank 0 as well.
         broadcast_variables(self._variables(), self.sync_root)
         self._save_variables()
         super().sync()

@@ -170,9 +170,9 @@ def check_accumulation_and_groups():
 
 def check_elastic_state():
     """hvdlite.keras.elastic on either backend: the callbacks exist; sync() takes the variables
-    and attributes of the rank the reset agreement chose (sync_root: after a reset rank 0 may
-    be a worker that just joined), and a reset drops a DistributedOptimizer's partial sums on
-    every rank, so all count the passes to the next reduction alike."""
+    and attributes of the rank the reset agreement chose (sync_root: the most commits, which
+    need not be rank 0), and a reset drops a DistributedOptimizer's partial sums on every
+    rank, so all count the passes to the next reduction alike."""
     for name in ("CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback"):
         if not hasattr(hvd.elastic, name):
             raise AssertionError(f"hvdlite.keras.elastic lacks {name}")
