@@ -221,9 +221,10 @@ def raw_int(name: str, default: int) -> int:
     """`raw(name)` as an integer; `default` when it is unset or not a number. For values read
     when a module is imported, where raising would print a traceback instead of a message;
     check_values reports the bad value where the job starts."""
+    value = raw(name)
     try:
-        return int(float(raw(name) or default))
-    except (ValueError, OverflowError):
+        return default if not value else parse_value("int", value)
+    except ValueError:
         return default
 
 
@@ -272,44 +273,39 @@ def markdown_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-def env(name: str, default: str | None = None) -> str | None:
-    """Value of HVDLITE_<name>, else HOROVOD_<name>, else default."""
+def env(name: str, default: str | None = None,
+        environ: Optional[Mapping[str, str]] = None) -> str | None:
+    """Value of HVDLITE_<name>, else HOROVOD_<name>, else default (in `environ`, by default
+    this process's environment; an empty value counts as unset)."""
+    environ = os.environ if environ is None else environ
     for prefix in BOTH:
-        value = os.environ.get(prefix + name)
+        value = environ.get(prefix + name)
         if value is not None and value != "":
             return value
     return default
 
 
-def env_int(name: str, default: int) -> int:
+def _env_typed(type_: str, name: str, default):
     value = env(name)
     if value is None:
         return default
     try:
-        return int(float(value))
+        return parse_value(type_, value)
     except ValueError:
-        raise ValueError(f"HVDLITE_{name}/HOROVOD_{name} must be an integer, got {value!r}") from None
+        raise ValueError(f"HVDLITE_{name}/HOROVOD_{name} must be {_TYPE_WORDS[type_]}, got "
+                         f"{value!r}") from None
+
+
+def env_int(name: str, default: int) -> int:
+    return _env_typed("int", name, default)
 
 
 def env_float(name: str, default: float) -> float:
-    value = env(name)
-    if value is None:
-        return default
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"HVDLITE_{name}/HOROVOD_{name} must be a number, got {value!r}") from None
+    return _env_typed("float", name, default)
 
 
 def env_bool(name: str, default: bool = False) -> bool:
-    value = env(name)
-    if value is None:
-        return default
-    parsed = parse_bool(value)
-    if parsed is None:
-        raise ValueError(f"HVDLITE_{name}/HOROVOD_{name} must be 1 or 0 (or true/false, "
-                         f"yes/no, on/off), got {value!r}")
-    return parsed
+    return _env_typed("bool", name, default)
 
 
 _TRUE = ("1", "true", "yes", "on", "y")
@@ -343,6 +339,21 @@ _TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "1 or 0 (or tru
                "yes/no, on/off)"}
 
 
+def parse_value(type_: str, value: str) -> Any:
+    """`value` read as a declared variable of `type_` ("int", "float" or "bool"): the one rule
+    that every reader (env_int, env_float, env_bool, raw_int) and check_values follow.
+    ValueError when it is not one."""
+    if type_ == "bool":
+        parsed = parse_bool(value)
+        if parsed is None:
+            raise ValueError(value)
+        return parsed
+    try:
+        return int(float(value)) if type_ == "int" else float(value)
+    except OverflowError:          # int(float("inf"))
+        raise ValueError(value) from None
+
+
 def check_values(environ: Optional[Mapping[str, str]] = None) -> list[str]:
     """One message per declared int, float or bool variable that is set to a value of another
     kind: what `hvdlite-run` (before it starts any rank) and `init()` refuse.
@@ -360,17 +371,8 @@ def check_values(environ: Optional[Mapping[str, str]] = None) -> list[str]:
             if value is None or value == "":
                 continue
             try:
-                if v.type == "bool":
-                    ok = parse_bool(value) is not None
-                elif v.type == "int":
-                    int(float(value))
-                    ok = True
-                else:
-                    float(value)
-                    ok = True
-            except (ValueError, OverflowError):
-                ok = False
-            if not ok:
+                parse_value(v.type, value)
+            except ValueError:
                 out.append(f"{full}={value!r} is not {_TYPE_WORDS[v.type]} ({v.doc}); "
                            f"set it to one, or unset it for the default")
     return out

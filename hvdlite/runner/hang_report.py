@@ -69,18 +69,11 @@ class StoppedWatch:
 def stall_shutdown_s(env: dict) -> float:
     """The stall shutdown time the workers run with (the launchers' hang limit); 0 when the
     job waits forever (shutdown time 0, or the stall check disabled, as in Horovod)."""
-    def value(suffix: str) -> Optional[str]:
-        # The ranks' rule (config.env): the HVDLITE_ name wins over Horovod's.
-        for prefix in config.BOTH:
-            found = env.get(prefix + suffix) or os.environ.get(prefix + suffix)
-            if found:
-                return found
-        return None
-
-    if config.truthy(value("STALL_CHECK_DISABLE")):
+    environ = {**os.environ, **env}        # what the ranks read their settings from
+    if config.truthy(config.env("STALL_CHECK_DISABLE", environ=environ)):
         return 0.0
     try:
-        return float(value("STALL_SHUTDOWN_TIME_SECONDS") or 600.0)
+        return float(config.env("STALL_SHUTDOWN_TIME_SECONDS", environ=environ) or 600.0)
     except ValueError:          # (check_values stops such a job before it starts)
         return 600.0
 
