@@ -5,6 +5,7 @@ Decided once, by the coordinator, so every rank runs the identical fused list.
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 from .messages import ALLGATHER, BROADCAST, FUSABLE_TYPES, Response
 
@@ -14,6 +15,27 @@ def split_list(lst: list, n: int) -> list[list]:
     `groups=n` for a DistributedOptimizer's gradients, in every frontend."""
     d, r = divmod(len(lst), n)
     return [lst[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
+
+
+def group_positions(indices: list, variables: list, groups, key: Callable = id) -> list[list]:
+    """A DistributedOptimizer's gradient positions `indices` (into `variables`), grouped as
+    Horovod's `groups` says: None, one group of all; an int n, n groups of nearly equal size
+    (split_list); a list of lists of variables (matched by `key`), those groups, in their
+    order, then every other gradient on its own."""
+    if groups is None:
+        return [indices]
+    if isinstance(groups, int):
+        return [g for g in split_list(indices, groups) if g]
+    pos = {key(variables[i]): i for i in indices}
+    out, used = [], set()
+    for group in groups:
+        members = [pos[key(v)] for v in group if key(v) in pos]
+        members = [i for i in members if i not in used]
+        used.update(members)
+        if members:
+            out.append(sorted(members))
+    out.extend([i] for i in indices if i not in used)
+    return out
 
 
 def resolve_groups(groups, num_groups: int = 0, member: str = "tensors"):

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .. import torch as _hvd
-from ..common.fusion import resolve_groups, split_list
+from ..common.fusion import group_positions, resolve_groups
 from ..common.messages import handle_average_backwards_compatibility
 from ..torch import (Adasum, Average, Compression, HorovodInternalError,  # noqa: F401
                      HostsUpdatedInterrupt, Max, Min, Product, ProcessSet, Sum, add_process_set,
@@ -43,7 +43,11 @@ class _Distributed:
         if present and cfg["process_set"].included() is not False and _hvd.size() > 1:
             f = cfg["predivide"]
             pre, post = (1.0 / f, f) if f != 1.0 else (1.0, 1.0)
-            for k, members in enumerate(self._hvd_groups(present, trainable_variables)):
+            variables = None               # (only groups given as variables need them)
+            if isinstance(cfg["groups"], list):
+                variables = list(trainable_variables if trainable_variables is not None
+                                 else self._trainable_variables)
+            for k, members in enumerate(group_positions(present, variables, cfg["groups"])):
                 compressed, ctxs = zip(*[cfg["compression"].compress(grads[i])
                                          for i in members])
                 reduced = _hvd.grouped_allreduce(
@@ -85,27 +89,6 @@ class _Distributed:
         a rank that joined, or one restored to the last commit, would otherwise count the
         passes to the next reduction differently, and the ranks' reductions would not pair)."""
         self._hvd["sums"], self._hvd["count"] = {}, 0
-
-    def _hvd_groups(self, present: list, trainable_variables) -> list:
-        """The gradients' positions, grouped as `groups` says: all in one grouped allreduce by
-        default; `groups=n`: n groups of nearly equal size; a list of lists of variables: those
-        together, every other gradient on its own (as Horovod's TensorFlow optimizer)."""
-        groups = self._hvd["groups"]
-        if groups is None:
-            return [present]
-        if isinstance(groups, int):
-            return [g for g in split_list(present, groups) if g]
-        variables = list(trainable_variables if trainable_variables is not None
-                         else self._trainable_variables)
-        position = {id(variables[i]): i for i in present}
-        out, used = [], set()
-        for group in groups:
-            members = sorted({position[id(v)] for v in group if id(v) in position} - used)
-            used.update(members)
-            if members:
-                out.append(members)
-        out.extend([i] for i in present if i not in used)
-        return out
 
 
 _CLASSES: dict = {}

@@ -20,7 +20,7 @@ from ..common import basics as _basics
 from ..common import naming as _naming
 from ..common import ops as _cops
 from ..common.elastic import may_resize
-from ..common.fusion import resolve_groups, split_list
+from ..common.fusion import group_positions, resolve_groups, split_list
 from . import mpi_ops as _ops
 from .compression import Compression
 from .mpi_ops import Adasum, Average, Max, Min, Product, Sum, global_process_set
@@ -111,23 +111,6 @@ class GradientReducer:
             return f"{self.kind}.{site or call_site()}", True
         return _ops._unique_in_graph(tf.compat.v1.get_default_graph(), self.kind), True
 
-    def _group_of(self, indices: list, variables: list) -> list[list[int]]:
-        """Split the indices of dense gradients into explicit groups (or one big batch)."""
-        if self.groups is None:
-            return [indices]
-        if isinstance(self.groups, int):
-            return [g for g in split_list(indices, self.groups) if g]
-        pos = {var_ref(variables[i]): i for i in indices}
-        out, used = [], set()
-        for group in self.groups:
-            members = [pos[var_ref(v)] for v in group if var_ref(v) in pos]
-            members = [i for i in members if i not in used]
-            used.update(members)
-            if members:
-                out.append(sorted(members))
-        out.extend([i] for i in indices if i not in used)
-        return out
-
     # ------------------------------------------------------------------ reduce
     def reduce(self, grads, variables, use_generic_names: bool = False, site: str | None = None):
         """Return `grads` with every non-local, non-None gradient reduced over the set."""
@@ -199,7 +182,8 @@ class GradientReducer:
         explicit_groups = self.groups is not None
         units = []      # (indices, group name or None, sparse?)
         if explicit_groups:
-            for g_idx, members in enumerate(self._group_of(dense, variables)):
+            for g_idx, members in enumerate(group_positions(dense, variables, self.groups,
+                                                            var_ref)):
                 gname = f"{base}.group_{g_idx}" if len(members) > 1 else None
                 units.append((members, gname, False))
         else:
