@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import hvdlite.torch as hvd
-from bench_util import hvdlite_async_all, many_small_tensors, timed
+from bench_util import alternate, hvdlite_async_all, many_small_tensors, timed
 from hvdlite.common import basics, rendezvous
 
 
@@ -127,6 +127,20 @@ def main():
             rows[-1]["raw_agreed_us"] = statistics.median(c) * 1e6
         nbytes *= 4
 
+    # The smallest size again as an average, hvd.allreduce_'s default op, against what a user
+    # of the raw transport writes for one: the sum, then a division by the number of ranks.
+    x = torch.ones(args.min_bytes // 4)
+    n = iters_for(args.min_bytes)
+
+    def hv_avg():
+        hvd.allreduce_(x, name="bench.average")
+
+    def rw_avg():
+        raw.allreduce(x)
+        x.div_(size)
+
+    average = {"bytes": args.min_bytes, **alternate(hv_avg, rw_avg, n, args.rounds)}
+
     # Many small tensors: fusion against one-by-one on the raw transport.
     tensors = many_small_tensors()
     sizes = [t.numel() for t in tensors]
@@ -209,6 +223,10 @@ def main():
                   f"{r['hvdlite_busbw_GBs']:>13.3f} {r['raw_busbw_GBs']:>9.3f} "
                   f"{r['ratio_bw']:>15.2f} {r['ratio_bw_min']:>5.2f}-{r['ratio_bw_max']:<5.2f} "
                   f"{r['hvdlite_us'] / r['raw_us']:>9.2f} {agreed_us}")
+        print(f"{average['bytes']} bytes averaged (op=Average, the default): hvdlite "
+              f"{average['hvdlite_us']:.1f} us, raw sum then div_ {average['peer_us']:.1f} us, "
+              f"latency x {average['ratio']:.2f} (spread {average['ratio_min']:.2f}-"
+              f"{average['ratio_max']:.2f})")
         print(f"{many['tensors']} tensors of 4-256 KiB ({total / 2**20:.1f} MiB): hvdlite fused "
               f"{many['hvdlite_ms']:.1f} ms, raw one by one {many['raw_one_by_one_ms']:.1f} ms, "
               f"speedup {many['speedup']:.2f}x (spread {many['speedup_min']:.2f}-"
@@ -221,7 +239,7 @@ def main():
               f"(spread {many['grouped_speedup_min']:.2f}-{many['grouped_speedup_max']:.2f})")
         result = {"ranks": size, "transport": raw.name, "shared_memory": shm,
                   "shared_memory_from_bytes": from_bytes, "shared_memory_chunk_bytes": chunk,
-                  "sizes": rows,
+                  "sizes": rows, "average": average,
                   "many_small": many}
         if args.json:
             with open(args.json, "w") as f:

@@ -378,3 +378,34 @@ def test_arith_folds_in_rank_order_and_truncates_integers_on_every_path():
     fsrc, fdst = torch.tensor([1.0, 3.0]), torch.empty(2)
     copy_scaled(fdst, fsrc, 0.25)
     assert fdst.tolist() == [0.25, 0.75] and fsrc.tolist() == [1.0, 3.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_scale_gives_torchs_bits_on_every_path_and_bumps_the_version(dtype):
+    """scale_ multiplies small CPU float32/float64 tensors through NumPy (cheaper than torch's
+    dispatch) and everything else with torch: the bits must be mul_'s on either side of the
+    size limit, for factors that do not round exactly, and the version counter must move as
+    mul_ moves it, so autograd still refuses a saved tensor that was scaled in place."""
+    from hvdlite.common import arith
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 1000, arith.NUMPY_SCALE_MAX, arith.NUMPY_SCALE_MAX + 1):
+        x = (torch.randn(n, generator=g, dtype=torch.float64) * 1e3).to(dtype)
+        for factor in (1 / 3, 1 / 7, 0.1, 3.7, 1 / 6):
+            want, got = x.clone(), x.clone()
+            want.mul_(factor)
+            version = got._version
+            arith.scale_(got, factor)
+            assert torch.equal(want, got), (n, factor)
+            assert got._version > version
+    view = torch.arange(12, dtype=dtype)[2:8]          # a contiguous view at an offset
+    arith.scale_(view, 0.5)
+    assert view.tolist() == [1.0, 1.5, 2.0, 2.5, 3.0, 3.5]
+    strided = torch.ones(4, 4, dtype=dtype).t()[1]      # not contiguous: torch's path
+    arith.scale_(strided, 0.5)
+    assert strided.tolist() == [0.5] * 4
+    w = torch.ones(3, dtype=dtype, requires_grad=True)
+    saved = torch.ones(3, dtype=dtype)
+    loss = (w * saved).sum()                            # autograd saved `saved`
+    arith.scale_(saved, 0.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
