@@ -105,7 +105,7 @@ def test_booleans_as_hvdlite_and_horovod_read_them():
 def test_check_values_names_each_bad_number_and_boolean():
     environ = {"HVDLITE_FUSION_THRESHOLD": "64MB", "HOROVOD_CYCLE_TIME": "fast",
                "HVDLITE_STALL_CHECK_DISABLE": "enable", "HVDLITE_CACHE_CAPACITY": "1e3",
-               "HOROVOD_HIERARCHICAL_ALLREDUCE": "2", "HVDLITE_LOG_LEVEL": "anything",
+               "HOROVOD_HIERARCHICAL_ALLREDUCE": "2", "HVDLITE_TIMELINE": "anything",
                "HVDLITE_START_TIMEOUT": ""}
     bad = config.check_values(environ)
     assert len(bad) == 3, bad
@@ -114,6 +114,51 @@ def test_check_values_names_each_bad_number_and_boolean():
     assert bad[1].startswith("HOROVOD_CYCLE_TIME='fast' is not a number"), bad
     assert bad[2].startswith("HVDLITE_STALL_CHECK_DISABLE='enable' is not 1 or 0"), bad
     assert all(b.endswith("set it to one, or unset it for the default") for b in bad)
+
+
+def test_check_values_names_each_bad_word_of_an_enumerated_variable():
+    """Enumerated variables (a transport, a wait mode, a log level...) are checked up front as
+    numbers are, with the words each takes; any case and spaces around are fine."""
+    environ = {"HVDLITE_MPI_WAIT": "spinn", "HOROVOD_CPU_OPERATIONS": "ccl",
+               "HVDLITE_SHM_CHUNK_MB": "-1", "HOROVOD_LOG_LEVEL": " Debug ",
+               "HVDLITE_SHM": "ON", "HVDLITE_STEADY_ROUNDS": "peers",
+               "HVDLITE_TF_PACE_BACKPROP": "sometimes", "HVDLITE_LOG_FORMAT": "",
+               "HVDLITE_TIMELINE": "/tmp/anything.json"}
+    bad = config.check_values(environ)
+    assert [b.split("=")[0] for b in bad] == ["HVDLITE_MPI_WAIT", "HVDLITE_SHM_CHUNK_MB",
+                                              "HOROVOD_CPU_OPERATIONS",
+                                              "HVDLITE_TF_PACE_BACKPROP"], bad
+    assert bad[0].startswith("HVDLITE_MPI_WAIT='spinn' is not one of spin, yield, auto (")
+    assert bad[1].startswith("HVDLITE_SHM_CHUNK_MB='-1' is not auto or a size in MB (")
+    assert bad[2].startswith("HOROVOD_CPU_OPERATIONS='ccl' is not one of gloo, mpi (")
+    assert bad[3].startswith("HVDLITE_TF_PACE_BACKPROP='sometimes' is not 1 or 0")
+    assert all(b.endswith("set it to one, or unset it for the default") for b in bad)
+    for ok in ("auto", "0", "2.5", " AUTO "):
+        assert config.check_values({"HVDLITE_SHM_CHUNK_MB": ok}) == [], ok
+
+
+def test_readers_of_enumerated_variables_share_the_up_front_rule(monkeypatch):
+    """config.choice is what every reader calls: the value in lower case, the default when
+    unset, and check_values' message for a word it does not take."""
+    for full in ("HVDLITE_MPI_WAIT", "HOROVOD_MPI_WAIT"):
+        monkeypatch.delenv(full, raising=False)
+    assert config.choice("MPI_WAIT") == "auto"
+    monkeypatch.setenv("HOROVOD_MPI_WAIT", " Yield")
+    assert config.choice("MPI_WAIT") == "yield"
+    monkeypatch.setenv("HVDLITE_MPI_WAIT", "spin")             # HVDLITE_ wins, as in env()
+    assert config.choice("MPI_WAIT") == "spin"
+    monkeypatch.setenv("HVDLITE_MPI_WAIT", "fast")
+    with pytest.raises(ValueError, match=r"HVDLITE_MPI_WAIT='fast' is not one of spin, yield, "
+                                         r"auto \(`spin`"):
+        config.choice("MPI_WAIT")
+    monkeypatch.delenv("HOROVOD_CPU_OPERATIONS", raising=False)
+    monkeypatch.delenv("HVDLITE_CPU_OPERATIONS", raising=False)
+    assert config.choice("CPU_OPERATIONS") == ""              # unset, no default
+    with pytest.raises(KeyError):
+        config.choice("FUSION_THRESHOLD")                     # a number, not enumerated
+    from hvdlite.common.logs import LEVELS
+    level = next(v for v in config.VARIABLES if v.name == "LOG_LEVEL")
+    assert sorted(level.choices) == sorted(n.lower() for n in LEVELS)
 
 
 @pytest.mark.timeout(60)
@@ -135,7 +180,8 @@ def test_init_refuses_a_bad_value_outside_hvdlite_run():
     """Launched another way (torchrun, mpiexec, a plain python), init() checks the values."""
     env = clean_env()
     env.update(PYTHONPATH=str(ROOT), HVDLITE_STEADY_STATE="maybe",
-               HVDLITE_FLIGHT_RECORDER_SIZE="big")    # (read when hvdlite is imported)
+               HVDLITE_FLIGHT_RECORDER_SIZE="big",    # (read when hvdlite is imported)
+               HVDLITE_MPI_WAIT="sometimes")
     code = ("import hvdlite.torch as hvd\n"
             "try:\n    hvd.init()\nexcept ValueError as e:\n    print('REFUSED', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -144,6 +190,7 @@ def test_init_refuses_a_bad_value_outside_hvdlite_run():
     assert "REFUSED hvdlite.init(): HVDLITE_STEADY_STATE='maybe' is not 1 or 0" in out.stdout, \
         out.stdout + out.stderr
     assert "HVDLITE_FLIGHT_RECORDER_SIZE='big' is not an integer" in out.stdout
+    assert "HVDLITE_MPI_WAIT='sometimes' is not one of spin, yield, auto" in out.stdout
 
 
 def test_launcher_hang_limit_reads_the_variables_as_the_ranks_do():

@@ -36,12 +36,18 @@ def test_level_and_format_settings(monkeypatch):
     monkeypatch.setenv("HOROVOD_LOG_LEVEL", "debug")
     assert logs.setup().level == logging.DEBUG
     monkeypatch.setenv("HOROVOD_LOG_LEVEL", "loud")
-    with pytest.raises(ValueError, match="HOROVOD_LOG_LEVEL must be one of"):
+    with pytest.raises(ValueError, match="HOROVOD_LOG_LEVEL='loud' is not one of trace, debug, "
+                                         "info, warning, warn, error, fatal, critical"):
         logs.setup()
+    with pytest.raises(ValueError, match="log level must be one of"):
+        logs.setup(level="loud")
     monkeypatch.delenv("HOROVOD_LOG_LEVEL")
     monkeypatch.setenv("HVDLITE_LOG_FORMAT", "xml")
-    with pytest.raises(ValueError, match="HVDLITE_LOG_FORMAT must be 'text' or 'json'"):
+    with pytest.raises(ValueError, match="HVDLITE_LOG_FORMAT='xml' is not one of text, json"):
         logs.setup()
+    monkeypatch.delenv("HVDLITE_LOG_FORMAT")
+    with pytest.raises(ValueError, match="log format must be 'text' or 'json'"):
+        logs.setup(fmt="xml")
     logging.getLogger("hvdlite").setLevel(logging.NOTSET)
 
 

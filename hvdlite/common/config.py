@@ -29,6 +29,10 @@ class Var:
     doc: str
     prefixes: tuple[str, ...] = BOTH
     group: str = "tuning"
+    # A "str" variable that takes one of these words (any case, spaces around ignored), or,
+    # with `or_size`, a size in MB (>= 0) instead; empty: any text.
+    choices: tuple[str, ...] = ()
+    or_size: bool = False
 
     @property
     def full_names(self) -> tuple[str, ...]:
@@ -36,8 +40,8 @@ class Var:
 
 
 def _v(name: str, type_: str, default: Any, doc: str, prefixes: tuple[str, ...] = BOTH,
-       group: str = "tuning") -> Var:
-    return Var(name, type_, default, doc, prefixes, group)
+       group: str = "tuning", choices: tuple[str, ...] = (), or_size: bool = False) -> Var:
+    return Var(name, type_, default, doc, prefixes, group, choices, or_size)
 
 
 _H, _L = ("HOROVOD_",), ("HVDLITE_",)
@@ -53,7 +57,7 @@ VARIABLES: tuple[Var, ...] = (
        "decentralised steady state)"),
     _v("STEADY_ROUNDS", "str", "auto", "`auto` or `peers`: where the steady state's rounds run; "
        "auto: one small allreduce on the transport where it can (MPI), else messages between "
-       "the ranks; peers: always messages", _L),
+       "the ranks; peers: always messages", _L, choices=("auto", "peers")),
     _v("BUCKET_CAP_MB", "float", 25.0, "steady-state gradient buckets: an allreduce waits until "
        "its bucket (about this many MB, in the order the last step submitted them) is complete; "
        "0 sends each as soon as every rank has it (Horovod's behaviour). With neither this nor "
@@ -68,7 +72,7 @@ VARIABLES: tuple[Var, ...] = (
        "reduced by one allreduce (the ranks agree first; 0 on any rank keeps each gradient "
        "its own allreduce everywhere)", _L),
     _v("MPI_WAIT", "str", "auto", "`spin`, `yield` or `auto`: how MPI waits use the core; auto "
-       "yields when a host runs more ranks than cores"),
+       "yields when a host runs more ranks than cores", choices=("spin", "yield", "auto")),
     _v("MPI_SHM_MIN_MB", "float", 32.0, "MPI ranks on one host whose waits spin move "
        "allreduce, reducescatter, allgather and broadcast data of this size and more through "
        "hvdlite's shared memory (faster than MPICH's there), smaller ones through MPI; 0: MPI "
@@ -77,13 +81,14 @@ VARIABLES: tuple[Var, ...] = (
        "allreduce, reducescatter, allgather and broadcast data through shared memory (/dev/shm) "
        "instead of TCP loopback, and so do ranks of an MPI job whose waits yield (more ranks "
        "than cores), or its large collectives where they spin (MPI_SHM_MIN_MB); auto: on "
-       "x86-64", _L),
+       "x86-64", _L, choices=("auto", "1", "0", "on", "off", "true", "false", "yes", "no")),
     _v("SHM_SLOT_MB", "float", 8.0, "per-rank shared-memory slot; larger collectives run in "
        "chunks of at most this size (SHM_CHUNK_MB)", _L),
     _v("SHM_CHUNK_MB", "str", "auto", "`auto` or a size in MB: the chunks a large "
        "shared-memory collective runs in (0: whole slots); auto: whole slots when ranks "
        "outnumber cores, else 2 MB chunks or whole slots, whichever allreduced 8 MB faster "
-       "when the ranks set up (once a process). The ranks agree: the largest any rank sets", _L),
+       "when the ranks set up (once a process). The ranks agree: the largest any rank sets", _L,
+       choices=("auto",), or_size=True),
     _v("DISABLE_GROUP_FUSION", "bool", False, "grouped tensors fuse only with their own group"),
     _v("HIERARCHICAL_ALLREDUCE", "bool", False,
        "reduce within each host, allreduce across hosts, broadcast within each host"),
@@ -92,7 +97,7 @@ VARIABLES: tuple[Var, ...] = (
     _v("TORUS_ALLREDUCE", "bool", False, "not supported; hvdlite-run refuses the flag"),
     _v("DYNAMIC_PROCESS_SETS", "bool", False, 'same as `init(process_sets="dynamic")`'),
     _v("CPU_OPERATIONS", "str", None, "`gloo` or `mpi`: the CPU transport (default: gloo, "
-       "MPI under mpirun)"),
+       "MPI under mpirun)", choices=("gloo", "mpi")),
     _v("CONTROLLER", "str", None, "accepted for compatibility; negotiation always uses "
        "hvdlite's control channel"),
     _v("MPI_THREADS_DISABLE", "bool", False, "do not request MPI_THREAD_MULTIPLE"),
@@ -115,11 +120,12 @@ VARIABLES: tuple[Var, ...] = (
     _v("TIMELINE_MARK_CYCLES", "bool", False, "mark each negotiation send", group="stall"),
     # logging
     _v("LOG_LEVEL", "str", "WARNING", "TRACE, DEBUG, INFO, WARNING, ERROR, FATAL",
-       group="logging"),
+       group="logging", choices=("trace", "debug", "info", "warning", "warn", "error", "fatal",
+                                 "critical")),
     _v("LOG_HIDE_TIME", "bool", False, "1 drops the time from hvdlite's log records "
        "(`--log-without-timestamp`)", group="logging"),
     _v("LOG_FORMAT", "str", "text", "`json`: one JSON object per log record and line",
-       group="logging"),
+       group="logging", choices=("text", "json")),
     # autotune
     _v("AUTOTUNE", "bool", False, "1 tunes the fusion threshold and cycle time while training",
        group="autotune"),
@@ -188,8 +194,9 @@ VARIABLES: tuple[Var, ...] = (
     # add-ons, tests, set-up
     _v("ZERO_BUCKET_BYTES", "int", None, "ZeRO: bytes per reduce-scatter/allgather bucket", _L,
        "other"),
-    _v("TF_PACE_BACKPROP", "str", None, "TensorFlow: pacing of gradient collectives during "
-       "backprop", _L, "other"),
+    _v("TF_PACE_BACKPROP", "bool", True, "TensorFlow: order each gradient unit's collective "
+       "before the next unit's gradient op in a traced step, so reduction overlaps "
+       "backpropagation; 0 leaves the order to TensorFlow", _L, "other"),
     _v("REQUIRE_RAY", "bool", False, "tests: missing Ray fails the Ray tests instead of "
        "skipping them", _L, "other"),
     _v("P2P_INLINE_BYTES", "int", None, "pipeline point-to-point: messages up to this size "
@@ -354,9 +361,45 @@ def parse_value(type_: str, value: str) -> Any:
         raise ValueError(value) from None
 
 
+def _choice_error(full: str, value: str, v: Var) -> Optional[str]:
+    """What is wrong with `value` for the enumerated variable `v` (named `full`), or None."""
+    word = value.strip().lower()
+    if word in v.choices:
+        return None
+    if v.or_size:
+        try:
+            if float(word) >= 0:        # (nan is not)
+                return None
+        except ValueError:
+            pass
+    allowed = ("one of " if len(v.choices) > 1 else "") + ", ".join(v.choices) \
+        + (" or a size in MB" if v.or_size else "")
+    return f"{full}={value!r} is not {allowed} ({v.doc})"
+
+
+def choice(name: str, default: Optional[str] = None) -> str:
+    """An enumerated variable's value (HVDLITE_<name>, else HOROVOD_<name>, as env() reads
+    them), trimmed and in lower case; `default` (or the declared default, or "") when unset.
+    ValueError, with check_values' message, for a word it does not take: the readers and the
+    up-front check share one rule and one message."""
+    v = next((x for x in VARIABLES if x.name == name and x.choices), None)
+    if v is None:
+        raise KeyError(f"{name} is not an enumerated variable in hvdlite.common.config")
+    for full in v.full_names:
+        value = os.environ.get(full)
+        if value is not None and value != "":
+            problem = _choice_error(full, value, v)
+            if problem is not None:
+                raise ValueError(problem)
+            return value.strip().lower()
+    fallback = default if default is not None else v.default
+    return "" if fallback is None else str(fallback).lower()
+
+
 def check_values(environ: Optional[Mapping[str, str]] = None) -> list[str]:
     """One message per declared int, float or bool variable that is set to a value of another
-    kind: what `hvdlite-run` (before it starts any rank) and `init()` refuse.
+    kind, and per enumerated one set to a word it does not take: what `hvdlite-run` (before it
+    starts any rank) and `init()` refuse.
 
     Why up front: each reader would raise on its own, on every rank, at whatever moment it
     first reads its variable (some at import, some in init, some in the first collective),
@@ -364,11 +407,16 @@ def check_values(environ: Optional[Mapping[str, str]] = None) -> list[str]:
     environ = os.environ if environ is None else environ
     out = []
     for v in VARIABLES:
-        if v.type not in _TYPE_WORDS:
+        if v.type not in _TYPE_WORDS and not v.choices:
             continue
         for full in v.full_names:
             value = environ.get(full)
             if value is None or value == "":
+                continue
+            if v.choices:
+                problem = _choice_error(full, value, v)
+                if problem is not None:
+                    out.append(problem + "; set it to one, or unset it for the default")
                 continue
             try:
                 parse_value(v.type, value)
@@ -436,11 +484,7 @@ class Settings:
         s.cycle_time_ms = env_float("CYCLE_TIME", s.cycle_time_ms)
         s.cache_capacity = env_int("CACHE_CAPACITY", s.cache_capacity)
         s.steady_state = env_bool("STEADY_STATE", True)
-        s.steady_rounds = (env("STEADY_ROUNDS") or "auto").strip().lower()
-        if s.steady_rounds not in ("auto", "peers"):
-            raise ValueError(f"HVDLITE_STEADY_ROUNDS={s.steady_rounds!r}: use auto (rounds on the "
-                             f"transport where it can: MPI) or peers (over the control "
-                             f"connections)")
+        s.steady_rounds = choice("STEADY_ROUNDS")
         s.bucket_cap_bytes = int(env_float("BUCKET_CAP_MB", 25.0) * 1024 * 1024)
         s.first_bucket_bytes = int(env_float("FIRST_BUCKET_MB", 1.0) * 1024 * 1024)
         s.buckets_explicit = env("BUCKET_CAP_MB") is not None or env("FIRST_BUCKET_MB") is not None

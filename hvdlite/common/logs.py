@@ -87,22 +87,22 @@ def setup(level: Optional[str] = None, fmt: Optional[str] = None,
     """Configure the "hvdlite" logger; called by `init()`. Arguments default to the environment
     (HOROVOD_LOG_LEVEL, HVDLITE_LOG_FORMAT, HOROVOD_LOG_HIDE_TIME). A level the application set
     on "hvdlite" itself is kept unless HOROVOD_LOG_LEVEL is given."""
-    from .config import env, env_bool
+    from .config import choice, env_bool
 
     logger = logging.getLogger(ROOT)
     if rank is not None:
         set_rank(rank)
-    level = level if level is not None else env("LOG_LEVEL")
+    level = level if level is not None else (choice("LOG_LEVEL", "") or None)
     if level is not None:
         name = str(level).strip().upper()
         if name not in LEVELS:
-            raise ValueError(f"HOROVOD_LOG_LEVEL must be one of {', '.join(LEVELS)}, got {level!r}")
+            raise ValueError(f"log level must be one of {', '.join(LEVELS)}, got {level!r}")
         logger.setLevel(LEVELS[name])
     elif logger.level == logging.NOTSET:
         logger.setLevel(logging.WARNING)  # Horovod's default
-    fmt = (fmt if fmt is not None else env("LOG_FORMAT", "text") or "text").strip().lower()
+    fmt = (fmt if fmt is not None else choice("LOG_FORMAT")).strip().lower()
     if fmt not in ("text", "json"):
-        raise ValueError(f"HVDLITE_LOG_FORMAT must be 'text' or 'json', got {fmt!r}")
+        raise ValueError(f"log format must be 'text' or 'json', got {fmt!r}")
     hide_time = env_bool("LOG_HIDE_TIME", False) if hide_time is None else hide_time
     for old in [h for h in logger.handlers if isinstance(h, _Handler)]:
         logger.removeHandler(old)

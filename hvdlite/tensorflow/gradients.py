@@ -11,12 +11,12 @@ gradients are allreduced (optionally compressed, optionally in explicit groups);
 from __future__ import annotations
 
 import itertools
-import os
 
 import tensorflow as tf
 import torch
 
 from ..common import basics as _basics
+from ..common import config as _config
 from ..common import naming as _naming
 from ..common import ops as _cops
 from ..common.elastic import may_resize
@@ -348,8 +348,8 @@ def _pace_backprop(inputs: list, tokens: list) -> None:
     nothing downstream of it may be unit k's submit node or a stateful op that TensorFlow's
     automatic control dependencies could order before it."""
     graph = tf.compat.v1.get_default_graph()
-    if not getattr(graph, "building_function", False) or os.environ.get(
-            "HVDLITE_TF_PACE_BACKPROP", "1") == "0":
+    if not getattr(graph, "building_function", False) or not _config.truthy(
+            _config.raw("HVDLITE_TF_PACE_BACKPROP"), True):
         return
     ours = {t.op for t in tokens}
     for k in range(len(tokens) - 1):

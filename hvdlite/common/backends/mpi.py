@@ -65,11 +65,9 @@ def wait_mode(local_ranks: int | None = None) -> str:
     the core away between polls. HVDLITE_MPI_WAIT (or HOROVOD_MPI_WAIT) = spin | yield | auto;
     auto (the default) yields when this host runs more ranks than this process may use cores.
     """
-    choice = (config.env("MPI_WAIT") or "auto").strip().lower()
+    choice = config.choice("MPI_WAIT")
     if choice in ("spin", "yield"):
         return choice
-    if choice != "auto":
-        raise ValueError(f"HVDLITE_MPI_WAIT={choice!r}: use spin, yield or auto")
     if local_ranks is None:
         local_ranks = _local_ranks(MPI.COMM_WORLD.Get_size() if _load() is not None else 1)
     return "yield" if local_ranks > usable_cores() else "spin"

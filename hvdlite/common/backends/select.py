@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from torch.distributed import PrefixStore
 
-from ..config import env
+from ..config import choice as config_choice
 from . import mpi as mpi_backend
 from . import nccl as nccl_backend
 from .base import Communicator
@@ -22,9 +22,7 @@ log = logging.getLogger(__name__)
 
 def choose_transport(comm) -> str:
     """gloo or mpi, as Horovod's HOROVOD_CPU_OPERATIONS says; under mpirun, MPI by default."""
-    choice = (env("CPU_OPERATIONS") or "").strip().lower()
-    if choice not in ("", "gloo", "mpi"):
-        raise ValueError(f"HOROVOD_CPU_OPERATIONS={choice!r}: hvdlite supports 'gloo' and 'mpi'")
+    choice = config_choice("CPU_OPERATIONS")
     if comm is not None and choice == "gloo":
         raise ValueError("init(comm=...) takes an MPI communicator, but HOROVOD_CPU_OPERATIONS "
                          "is 'gloo'; unset it or set it to 'mpi'.")

@@ -129,29 +129,21 @@ _LIVENESS_S = 1.0                   # how often a long wait checks that peers ar
 
 def mode() -> str:
     """'on' or 'off' for this process: HVDLITE_SHM = auto (default) | 1 | 0."""
-    choice = (config.env("SHM") or "auto").strip().lower()
+    choice = config.choice("SHM")
     if choice in ("0", "off", "false", "no"):
         return "off"
     if choice in ("1", "on", "true", "yes"):
         return "on"
-    if choice != "auto":
-        raise ValueError(f"HVDLITE_SHM={choice!r}: use auto, 1 or 0")
     return "on" if platform.machine().lower() in ("x86_64", "amd64") else "off"
 
 
 def chunk_setting() -> Optional[int]:
     """HVDLITE_SHM_CHUNK_MB: None for `auto` (the default), else bytes per chunk of a large
     collective (0: whole slots)."""
-    value = (config.env("SHM_CHUNK_MB") or "auto").strip().lower()
+    value = config.choice("SHM_CHUNK_MB")
     if value == "auto":
         return None
-    try:
-        mb = float(value)
-    except ValueError:
-        mb = -1.0
-    if not mb >= 0:                      # (also refuses nan)
-        raise ValueError(f"HVDLITE_SHM_CHUNK_MB={value!r}: use auto, or a size in MB (0 means "
-                         f"whole slots)")
+    mb = float(value)
     return 0 if mb == 0 else max(4096, int(mb * 1024 * 1024) // 4096 * 4096)
 
 
