@@ -61,7 +61,8 @@ def test_adasum_responses_never_fuse_with_other_reductions():
 
 # ---------------------------------------------------------------------------- real ranks
 CHECKS = ["errors", "process_set_error", "adasum_float32", "adasum_float64", "adasum_in_flight",
-          "adasum_grouped_inplace", "optimizer_sgd", "optimizer_adam"]
+          "adasum_grouped_inplace", "optimizer_sgd", "optimizer_adam",
+          "optimizer_elastic_reset_drops_a_partial_step"]
 
 
 @pytest.mark.timeout(200)

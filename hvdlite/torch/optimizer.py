@@ -108,6 +108,37 @@ class _HookedOptimizer(torch.optim.Optimizer):
             return tensor
         return self._compression.decompress(tensor, ctx)
 
+    def load_state_dict(self, *args, **kwargs):
+        self._forget_pending()
+        return self._hvd_base.load_state_dict(self, *args, **kwargs)
+
+    def _forget_pending(self) -> None:
+        """Forget the gradients in flight and the backward passes counted since the last step:
+        the next pass starts a step afresh (a loaded state, an elastic reset). (Subclasses
+        extend it by calling this one by its class: the methods are copied into a class built
+        on the user's optimizer, _wrapper_class, where super() would not find it.)"""
+        self._handles = {}
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+
+    def _drop_partial_step(self) -> None:
+        """After an elastic reset, on every rank (torch/elastic/state.py): when some backward
+        passes of a step were already counted (`backward_passes_per_step` > 1, or a pass whose
+        step never came), forget them and their gradients (`p.grad = None`), so that every
+        rank, a newly joined one included, counts the passes to the next reduction from 0.
+        Otherwise a survivor one pass into a step of 2 reduced after one more pass while the
+        new rank waited for two: their collectives no longer paired up. (With Adasum, only a
+        parameter whose passes were all in has been stepped locally and holds its delta while
+        in flight; only a failure leaves one so, and the state's restore() has put the
+        committed model back before this reset.)"""
+        partial = bool(self._handles) or any(
+            d != self.backward_passes_per_step for d in self._allreduce_delay.values())
+        if not partial:
+            return
+        self._forget_pending()
+        for p in self._allreduce_delay:
+            p.grad = None
+
     def set_backward_passes_per_step(self, passes):
         self.backward_passes_per_step = passes
         for p in self._allreduce_delay:
@@ -219,34 +250,11 @@ class _DistributedOptimizer(_HookedOptimizer):
                       and compression is NoneCompressor and op in (Average, Sum)
                       and _graph_task_id is not None else None)
 
-    def load_state_dict(self, *args, **kwargs):
-        self._forget_pending()
-        return self._hvd_base.load_state_dict(self, *args, **kwargs)
-
     def _forget_pending(self) -> None:
-        """Forget the gradients in flight and the backward passes counted since the last step:
-        the next pass starts a step afresh (a loaded state, an elastic reset)."""
-        self._handles = {}
+        _HookedOptimizer._forget_pending(self)
         self._deferred, self._deferred_task = [], None
         self._synchronized = False
         self._should_synchronize = True
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
-
-    def _drop_partial_step(self) -> None:
-        """After an elastic reset, on every rank (torch/elastic/state.py): when some backward
-        passes of a step were already counted (`backward_passes_per_step` > 1, or a pass whose
-        step never came), forget them and their gradients (`p.grad = None`), so that every
-        rank, a newly joined one included, counts the passes to the next reduction from 0.
-        Otherwise a survivor one pass into a step of 2 reduced after one more pass while the
-        new rank waited for two: their collectives no longer paired up."""
-        partial = bool(self._handles) or any(
-            d != self.backward_passes_per_step for d in self._allreduce_delay.values())
-        if not partial:
-            return
-        self._forget_pending()
-        for p in self._allreduce_delay:
-            p.grad = None
 
     @staticmethod
     def find_duplicates(lst):
@@ -527,12 +535,6 @@ class _DistributedAdasumOptimizer(_HookedOptimizer):
         self._starting_models = {p: torch.zeros_like(p, requires_grad=False)
                                  for _, p in named_sorted}
         self._hook_parameters()
-
-    def load_state_dict(self, *args, **kwargs):
-        self._handles = {}
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
-        return self._hvd_base.load_state_dict(self, *args, **kwargs)
 
     def _allreduce_grad_async(self, p):
         """Step the wrapped optimizer on p alone, turn p into the delta, Adasum it in place."""

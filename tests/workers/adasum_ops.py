@@ -110,20 +110,34 @@ def batch(r: int, step: int):
     return torch.randn(6, 5, generator=g), torch.randn(6, 3, generator=g)
 
 
-def check_optimizer(make_opt, tag, steps=3):
+def check_optimizer(make_opt, tag, steps=3, passes=1, reset_after_a_pass=False):
+    """`passes`: backward_passes_per_step. `reset_after_a_pass`: one backward pass, then the
+    elastic reset every rank runs after a membership change (TorchState.on_reset), which must
+    drop that partly counted step, as the plain optimizer's does (torch_optimizer_checks)."""
     model = make_model()
     opt = hvd.DistributedOptimizer(make_opt(model.parameters()),
-                                   named_parameters=model.named_parameters(), op=hvd.Adasum)
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum,
+                                   backward_passes_per_step=passes)
+    if reset_after_a_pass:
+        state = hvd.elastic.TorchState(model=model, optimizer=opt)
+        x, y = batch(rank, 99)
+        (100.0 * nn.functional.mse_loss(model(x), y)).backward()
+        state.on_reset()
+        if any(p.grad is not None for p in model.parameters()) or \
+                any(d != passes for d in opt._allreduce_delay.values()):
+            fail(f"{tag}: the reset kept the partial step: {opt._allreduce_delay}")
     # Reference: one replica (with its own optimizer state) per rank; every step each replica
-    # starts from the common weights and steps on its rank's batch; the common weights move by
-    # the Adasum of the replicas' changes, parameter by parameter.
+    # starts from the common weights and steps on its rank's batches (their gradients summed
+    # over `passes` backward passes); the common weights move by the Adasum of the replicas'
+    # changes, parameter by parameter.
     common = {k: v.detach().clone() for k, v in make_model().named_parameters()}
     replicas = [make_model() for _ in range(size)]
     ref_opts = [make_opt(m.parameters()) for m in replicas]
     for step in range(steps):
-        x, y = batch(rank, step)
         opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
+        for micro in range(passes):
+            x, y = batch(rank, step * passes + micro)
+            nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         deltas = {k: [] for k in common}
         for r, (rep, ropt) in enumerate(zip(replicas, ref_opts)):
@@ -131,8 +145,9 @@ def check_optimizer(make_opt, tag, steps=3):
                 for k, p in rep.named_parameters():
                     p.copy_(common[k])
             ropt.zero_grad()
-            xr, yr = batch(r, step)
-            nn.functional.mse_loss(rep(xr), yr).backward()
+            for micro in range(passes):
+                xr, yr = batch(r, step * passes + micro)
+                nn.functional.mse_loss(rep(xr), yr).backward()
             ropt.step()
             for k, p in rep.named_parameters():
                 deltas[k].append(p.detach() - common[k])
@@ -193,5 +208,8 @@ if POW2:
     check("optimizer_sgd", check_optimizer,
           lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "SGD")
     check("optimizer_adam", check_optimizer, lambda ps: torch.optim.Adam(ps, lr=0.01), "Adam")
+    check("optimizer_elastic_reset_drops_a_partial_step", check_optimizer,
+          lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "SGD, 2 passes, a reset",
+          passes=2, reset_after_a_pass=True)
 finish()
 hvd.shutdown()
