@@ -7,8 +7,11 @@ does, and times each whole command. Contenders, alternating round by round:
 
 - `hvdlite-run` as shipped: rank 0 runs on this machine, so it serves the job's store on the
   socket the launcher opened, and the launcher never imports torch;
-- `hvdlite-run` with `HVDLITE_STORE_ON_DRIVER=1`: the launcher serves the store itself, as every
-  job did before (it imports torch first, ~1.5 s here, before any rank starts);
+- `hvdlite-run` with `HVDLITE_STORE_ON_DRIVER=1`: the launcher serves the store itself, as a job
+  whose rank 0 runs on another host does; it imports torch in a thread while the ranks start
+  (it used to import torch first, before any rank started: ~1.5-2.5 s of every such start here);
+- an elastic `hvdlite-run` (`--min-np N --max-np N -H localhost:N`) of the same work inside
+  `hvd.elastic.run`: its driver serves the store the same way;
 - the peer, `torchrun --standalone`: the same work in plain torch.distributed (gloo);
 - the floor: N processes that only `import torch`, started together. No rank of any launcher
   can be ready before its torch is imported, and on a host with fewer cores than ranks the N
@@ -32,6 +35,12 @@ BIN = Path(sys.executable).parent
 
 HVDLITE_RANK = ("import torch, hvdlite.torch as hvd; hvd.init(); "
                 "hvd.allreduce(torch.ones(1), name='start'); hvd.shutdown()")
+HVDLITE_ELASTIC_RANK = ("import torch, hvdlite.torch as hvd; hvd.init()\n"
+                        "@hvd.elastic.run\n"
+                        "def work(state):\n"
+                        "    hvd.allreduce(torch.ones(1), name='start')\n"
+                        "work(hvd.elastic.ObjectState())\n"
+                        "hvd.shutdown()")
 TORCH_RANK = ("import torch, torch.distributed as dist; dist.init_process_group('gloo'); "
               "dist.all_reduce(torch.ones(1)); dist.destroy_process_group()")
 
@@ -76,11 +85,14 @@ def main() -> None:
     args = parse_args()
     n = str(args.np)
     hvdlite_run = [str(BIN / "hvdlite-run"), "-np", n, sys.executable, "-c", HVDLITE_RANK]
+    elastic = [str(BIN / "hvdlite-run"), "-np", n, "--min-np", n, "--max-np", n, "-H",
+               f"localhost:{n}", sys.executable, "-c", HVDLITE_ELASTIC_RANK]
     torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", n, "--no-python",
                 sys.executable, "-c", TORCH_RANK]
     contenders = {
         "hvdlite": lambda: _run(hvdlite_run, {}),
         "hvdlite_store_on_driver": lambda: _run(hvdlite_run, {"HVDLITE_STORE_ON_DRIVER": "1"}),
+        "hvdlite_elastic": lambda: _run(elastic, {}),
         "torchrun": lambda: _run(torchrun, {"OMP_NUM_THREADS": "1"}),
         "floor": lambda: _floor(args.np),
     }
@@ -102,6 +114,7 @@ def main() -> None:
           f"(median of {args.rounds} alternating rounds, min-max)")
     labels = {"hvdlite": "hvdlite-run (rank 0 serves the store)",
               "hvdlite_store_on_driver": "hvdlite-run, HVDLITE_STORE_ON_DRIVER=1",
+              "hvdlite_elastic": "hvdlite-run, elastic (the driver's store)",
               "torchrun": "torchrun --standalone (peer)",
               "floor": f"floor: {args.np} x import torch at once"}
     for k, label in labels.items():

@@ -579,3 +579,73 @@ def test_rank0_stuck_before_init_ends_in_a_clear_timeout_on_the_other_ranks():
     assert "rank 0 serves the store from its init()" in out.stderr
     assert "hvdlite-run: rank 1" in out.stderr
     assert took < 40, took  # not rank 0's 60 s sleep: the job ended on rank 1's timeout
+
+
+# ------------------------------------------------------------------ the driver's own store
+@pytest.mark.timeout(60)
+def test_driver_store_starts_in_the_background_behind_an_open_socket():
+    """Rendezvous(background=True) listens at once and imports torch and starts the store in a
+    thread: a client that connects before the store runs waits in the socket's backlog, and
+    the store then serves it, as the elastic driver's workers (and a remote rank 0) do."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from hvdlite.common.rendezvous import reach_store
+    from hvdlite.runner.driver import Rendezvous
+
+    rdv = Rendezvous(["localhost"], 30, background=True)
+    with socket.create_connection(("127.0.0.1", rdv.port), timeout=5):
+        pass                                    # listening before the store's start is done
+    client = reach_store(TCPStore, "127.0.0.1", rdv.port, datetime.timedelta(seconds=30))
+    client.set("from-a-worker", b"hello")
+    assert rdv.store.get("from-a-worker") == b"hello"
+    assert rdv.start_problem() is None
+    rdv.put_signed("k", b"v")
+    assert rdv.get_signed("k") == b"v"
+
+
+def _failing_store_start(monkeypatch):
+    from hvdlite.runner import driver
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no store here")
+    monkeypatch.setattr(driver, "serve_store_on", refuse)
+
+
+@pytest.mark.timeout(60)
+def test_a_store_that_cannot_start_stops_a_fixed_job_with_its_reason(monkeypatch, capfd):
+    """Where the driver serves the store, a failed start stops the ranks and names the cause,
+    instead of leaving them to wait for it until their start timeout."""
+    from hvdlite.runner.driver import JobSpec, Rendezvous, run_job
+    from hvdlite.runner.local import LaunchError
+
+    _failing_store_start(monkeypatch)
+    rdv = Rendezvous(["localhost"], 30, background=True)
+    start = time.monotonic()
+    spec = JobSpec(command=[PY, "-c", "import time; time.sleep(60)"],
+                   slots=assign_slots([HostSpec("localhost", 2)], 2), env=clean_env())
+    result = run_job(spec, rdv)
+    assert result.exit_code == 1
+    assert time.monotonic() - start < 20
+    err = capfd.readouterr().err
+    assert "hvdlite-run: the job's store could not start: RuntimeError('no store here')" in err
+    with pytest.raises(LaunchError, match="the job's store could not start"):
+        rdv.store
+
+
+@pytest.mark.timeout(60)
+def test_a_store_that_cannot_start_stops_an_elastic_job_with_its_reason(monkeypatch, capfd):
+    from hvdlite.runner.discovery import FixedHosts
+    from hvdlite.runner.elastic_driver import ElasticSpec, run_elastic
+
+    _failing_store_start(monkeypatch)
+    start = time.monotonic()
+    spec = ElasticSpec(command=[PY, "-c", "import time; time.sleep(60)"], env=clean_env(),
+                       discovery=FixedHosts([HostSpec("localhost", 2)]), num_proc=2, min_np=2,
+                       max_np=2)
+    result = run_elastic(spec)
+    assert result.exit_code == 1
+    assert result.message == "the job's store could not start: RuntimeError('no store here')"
+    assert time.monotonic() - start < 20
+    assert "hvdlite-run: the job's store could not start" in capfd.readouterr().err

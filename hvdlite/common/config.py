@@ -179,8 +179,8 @@ VARIABLES: tuple[Var, ...] = (
        _L, "launcher"),
     _v("STORE_ON_DRIVER", "bool", False, "1: the launcher serves the job's c10d store even when "
        "rank 0 runs on its machine (for scripts that use the store without hvd.init() and let "
-       "rank 0 exit first); costs the launcher a torch import (~1.5 s) at every start", _L,
-       "launcher"),
+       "rank 0 exit first); the launcher then imports torch, in a thread while the ranks start "
+       "(they share the cores with it)", _L, "launcher"),
     # diagnosis (flight recorder, stragglers) and control-plane limits
     _v("STRAGGLER_REPORT", "float", None, "seconds between straggler reports "
        "(`hvdlite-run --straggler-report SECONDS`)", group="stall"),

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from hvdlite.common.rendezvous import STORE_FD_ENV
+from hvdlite.common.rendezvous import STORE_FD_ENV, serve_store_on
 from hvdlite.runner import hang_report, secret
 from hvdlite.runner.hosts import SlotInfo, driver_address_for, is_local_host
 from hvdlite.runner.local import (LaunchError, Spawner, SSHSettings, kill, remote_host,
@@ -77,32 +77,78 @@ class Rendezvous:
     the socket's backlog. Elastic jobs, `hvdlite.runner.run` and Ray keep the driver's store:
     there it must outlive any one worker, or the driver reads and writes keys itself.
 
+    `background=True` (with `serve=True`; the elastic driver, which never reads or writes a key
+    itself): the listening socket is opened at once, and torch's import and the store start
+    in a thread behind it, so the workers start (and import torch themselves) meanwhile instead
+    of after it. The first use of `store` waits for that start; `start_problem()` says, without
+    waiting, whether it failed.
+
     It listens on 127.0.0.1 when every host is this machine, else on all interfaces; each host
     is told the driver address it can reach (`addr_for`)."""
 
     def __init__(self, hosts: list[str], timeout_s: int, nics: Optional[list[str]] = None,
-                 all_interfaces: Optional[bool] = None, serve: bool = True) -> None:
+                 all_interfaces: Optional[bool] = None, serve: bool = True,
+                 background: bool = False) -> None:
         if all_interfaces is None:
             all_interfaces = not all(is_local_host(h) for h in hosts)
         bind = "0.0.0.0" if all_interfaces else "127.0.0.1"
-        self.store: Any = None
+        timeout = datetime.timedelta(seconds=max(timeout_s, 30))
+        self._store: Any = None
+        self._starting: Optional[threading.Thread] = None
+        self._start_error: Optional[BaseException] = None
+        self._timeout = timeout
         self.listener: Optional[socket.socket] = None
-        if serve:
+        if serve and not background:
             from torch.distributed import TCPStore  # imported here: torch is slow to import
 
-            self.store = TCPStore(host_name=bind, port=0, world_size=None, is_master=True,
-                                  wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=max(timeout_s, 30)))
-            self.port: int = int(self.store.port)
+            self._store = TCPStore(host_name=bind, port=0, world_size=None, is_master=True,
+                                   wait_for_workers=False, timeout=timeout)
+            self.port: int = int(self._store.port)
         else:
-            self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            self.listener.bind((bind, 0))
-            self.listener.listen(socket.SOMAXCONN)  # every rank may connect before rank 0 serves
-            self.port = self.listener.getsockname()[1]
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.bind((bind, 0))
+            listener.listen(socket.SOMAXCONN)  # every rank may connect before the store serves
+            self.port = listener.getsockname()[1]
+            if serve:
+                self._starting = threading.Thread(target=self._serve, args=(bind, listener),
+                                                  name="hvdlite-store-start", daemon=True)
+                self._starting.start()
+            else:
+                self.listener = listener
         self.bind = bind
         self.nics = nics
         self.key: bytes = secret.make_key()
         self._addrs: dict[str, str] = {}
+
+    def _serve(self, bind: str, listener: socket.socket) -> None:
+        """The background start: import torch, serve the store on the open socket."""
+        try:
+            from torch.distributed import TCPStore
+
+            self._store = serve_store_on(TCPStore, bind, self.port, listener.detach(),
+                                         self._timeout)
+        except BaseException as exc:  # noqa: BLE001 - reported by store / start_problem
+            self._start_error = exc
+
+    @property
+    def store(self) -> Any:
+        """The served store (None with serve=False); waits for a background start, at most the
+        store's timeout, and raises what stopped it."""
+        if self._starting is not None:
+            self._starting.join(self._timeout.total_seconds())
+            if self._starting.is_alive():
+                raise LaunchError(f"the job's store did not start within "
+                                  f"{self._timeout.total_seconds():.0f} s (importing torch)")
+            self._starting = None
+        if self._start_error is not None:
+            raise LaunchError(f"the job's store could not start: {self._start_error!r}")
+        return self._store
+
+    def start_problem(self) -> Optional[str]:
+        """Without waiting: why the background start failed, or None (done, or still going)."""
+        if self._start_error is None:
+            return None
+        return f"the job's store could not start: {self._start_error!r}"
 
     def handover(self) -> Optional[int]:
         """The listening socket's descriptor for rank 0 to serve the store on, or None when the
@@ -317,6 +363,11 @@ class _Job:
                 if hung is not None:
                     self._stop()
                     return JobResult(exit_code=1, failed_rank=hung)
+                problem = self.rdv.start_problem()
+                if problem is not None:     # the ranks would wait for it until their timeout
+                    self.console.message(f"{self.spec.name}: {problem}")
+                    self._stop()
+                    return JobResult(exit_code=1)
                 continue
             if kind == "signal":
                 self._ask_dumps()

@@ -197,8 +197,10 @@ class ElasticDriver:
         all_local = isinstance(spec.discovery, FixedHosts) and \
             all(is_local_host(h) for h in first)
         if self.rdv is None:
+            # The driver never reads or writes a key of the store itself: it starts in the
+            # background while the first workers start (and import torch) too.
             self.rdv = Rendezvous(list(first), spec.start_timeout, spec.nics,
-                                  all_interfaces=not all_local)
+                                  all_interfaces=not all_local, background=True)
         self.flight_dir, self._own_flight_dir = hang_report.flight_dir_for(spec.env)
         spec.env = dict(spec.env, **{hang_report.FLIGHT_DIR_ENV: self.flight_dir})
         self.server = ControlServer(self.rdv.key, self.events.put,
@@ -264,6 +266,10 @@ class ElasticDriver:
             except queue.Empty:
                 event = ("tick",)
             self._handle(event)
+            problem = self.rdv.start_problem()
+            if problem is not None and self.result is None:
+                self._say(problem)
+                self.result = ElasticResult(exit_code=1, message=problem)
             if self.result is None:
                 self._advance()
 
