@@ -584,9 +584,10 @@ def test_rank0_stuck_before_init_ends_in_a_clear_timeout_on_the_other_ranks():
 # ------------------------------------------------------------------ the driver's own store
 @pytest.mark.timeout(60)
 def test_driver_store_starts_in_the_background_behind_an_open_socket():
-    """Rendezvous(background=True) listens at once and imports torch and starts the store in a
-    thread: a client that connects before the store runs waits in the socket's backlog, and
-    the store then serves it, as the elastic driver's workers (and a remote rank 0) do."""
+    """Rendezvous(background=True) listens at once; serve() (called once the first ranks are
+    started) imports torch and starts the store in a thread: a client that connects before
+    the store runs waits in the socket's backlog, and the store then serves it, as the
+    elastic driver's workers (and a remote rank 0) do."""
     import datetime
 
     from torch.distributed import TCPStore
@@ -596,7 +597,8 @@ def test_driver_store_starts_in_the_background_behind_an_open_socket():
 
     rdv = Rendezvous(["localhost"], 30, background=True)
     with socket.create_connection(("127.0.0.1", rdv.port), timeout=5):
-        pass                                    # listening before the store's start is done
+        pass                                    # listening before the store's start
+    rdv.serve()
     client = reach_store(TCPStore, "127.0.0.1", rdv.port, datetime.timedelta(seconds=30))
     client.set("from-a-worker", b"hello")
     assert rdv.store.get("from-a-worker") == b"hello"

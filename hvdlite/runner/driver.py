@@ -77,11 +77,13 @@ class Rendezvous:
     the socket's backlog. Elastic jobs, `hvdlite.runner.run` and Ray keep the driver's store:
     there it must outlive any one worker, or the driver reads and writes keys itself.
 
-    `background=True` (with `serve=True`; the elastic driver, which never reads or writes a key
-    itself): the listening socket is opened at once, and torch's import and the store start
-    in a thread behind it, so the workers start (and import torch themselves) meanwhile instead
-    of after it. The first use of `store` waits for that start; `start_problem()` says, without
-    waiting, whether it failed.
+    `background=True` (with `serve=True`; hvdlite-run's drivers, which never read or write a key
+    themselves): the listening socket is opened at once, and `serve()`, called once the first
+    ranks are started, imports torch and starts the store in a thread behind it, so the ranks
+    import torch meanwhile instead of after it. (Not before they start: loading torch's
+    libraries holds the GIL for ~0.3 s at a time, and the driver's own thread could not start
+    them meanwhile.) The first use of `store` waits for that start; `start_problem()` says,
+    without waiting, whether it failed.
 
     It listens on 127.0.0.1 when every host is this machine, else on all interfaces; each host
     is told the driver address it can reach (`addr_for`)."""
@@ -112,7 +114,6 @@ class Rendezvous:
             if serve:
                 self._starting = threading.Thread(target=self._serve, args=(bind, listener),
                                                   name="hvdlite-store-start", daemon=True)
-                self._starting.start()
             else:
                 self.listener = listener
         self.bind = bind
@@ -130,11 +131,17 @@ class Rendezvous:
         except BaseException as exc:  # noqa: BLE001 - reported by store / start_problem
             self._start_error = exc
 
+    def serve(self) -> None:
+        """Start a background store's start (once; later calls do nothing)."""
+        if self._starting is not None and self._starting.ident is None:
+            self._starting.start()
+
     @property
     def store(self) -> Any:
         """The served store (None with serve=False); waits for a background start, at most the
         store's timeout, and raises what stopped it."""
         if self._starting is not None:
+            self.serve()
             self._starting.join(self._timeout.total_seconds())
             if self._starting.is_alive():
                 raise LaunchError(f"the job's store did not start within "
@@ -145,7 +152,9 @@ class Rendezvous:
         return self._store
 
     def start_problem(self) -> Optional[str]:
-        """Without waiting: why the background start failed, or None (done, or still going)."""
+        """Without waiting: why the background start failed, or None (done, or still going).
+        Starts it where nothing did yet."""
+        self.serve()
         if self._start_error is None:
             return None
         return f"the job's store could not start: {self._start_error!r}"
@@ -296,6 +305,7 @@ class _Job:
         previous = self._install_handlers()
         try:
             result = self._start(spawners)
+            self.rdv.serve()         # the driver's store, if it serves one, behind the ranks
             if result is None:
                 result = self._monitor()
         finally:

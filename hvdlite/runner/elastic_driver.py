@@ -260,6 +260,8 @@ class ElasticDriver:
                 self.events.put(("discovery_ok",))
 
     def _loop(self) -> None:
+        self._advance()              # the first workers start now, not after a first wait
+        self.rdv.serve()             # and the store (torch's import) behind them
         while self.result is None:
             try:
                 event = self.events.get(timeout=0.25)
