@@ -289,14 +289,20 @@ def job_start(root: str) -> list[str]:
     d = _load(root, "job_start")
     if d is None:
         return []
+    n = d["np"]
     sec, labels = d["seconds"], (
         ("hvdlite", "`hvdlite-run` (rank 0 serves the store)"),
-        ("hvdlite_store_on_driver", "`hvdlite-run`, `HVDLITE_STORE_ON_DRIVER=1` (as before)"),
+        ("hvdlite_store_on_driver",
+         "`hvdlite-run`, `HVDLITE_STORE_ON_DRIVER=1` (the launcher serves it)"),
+        ("hvdlite_elastic", f"`hvdlite-run`, elastic (`--min-np {n} --max-np {n} -H "
+                            f"localhost:{n}`; the driver serves it)"),
         ("torchrun", "`torchrun --standalone` (peer)"),
-        ("floor", f"floor: {d['np']} × `import torch` at once"))
-    out = [f"| {d['np']} ranks: launch, join, one allreduce, shut down | s (spread) |",
+        ("floor", f"floor: {n} × `import torch` at once"))
+    out = [f"| {n} ranks: launch, join, one allreduce, shut down | s (spread) |",
            "|---|---|"]
     for key, label in labels:
+        if key not in sec:          # (runs before the elastic row was timed)
+            continue
         r = sec[key]
         out.append(f"| {label} | {r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f}) |")
     rounds = d["ratio_per_round_vs_torchrun"]

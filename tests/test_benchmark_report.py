@@ -90,4 +90,11 @@ def test_job_start_table_shows_each_launcher_and_the_ratios(tmp_path):
     assert "| floor: 2 × `import torch` at once | 1.80 (1.70–1.90) |" in lines
     assert lines[-1] == ("hvdlite / torchrun **0.65** (0.60–0.70); hvdlite / the store on the "
                          "driver 0.62; hvdlite above the floor 0.60 s.")
+    assert not any("elastic" in line for line in lines)       # a run without the elastic row
+    sec["hvdlite_elastic"] = {"median": 4.1, "min": 4.0, "max": 4.3}
+    (tmp_path / "job_start.json").write_text(json.dumps({
+        "np": 2, "rounds": 5, "seconds": sec, "ratio_vs_torchrun": 2.4 / 3.7,
+        "ratio_vs_store_on_driver": 2.4 / 3.9, "ratio_per_round_vs_torchrun": [0.6, 0.65, 0.7]}))
+    assert ("| `hvdlite-run`, elastic (`--min-np 2 --max-np 2 -H localhost:2`; the driver "
+            "serves it) | 4.10 (4.00–4.30) |") in report.job_start(str(tmp_path))
     assert report.job_start(str(tmp_path / "missing")) == []
