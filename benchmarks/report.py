@@ -14,7 +14,6 @@ import json
 import math
 import os
 import statistics
-import sys
 
 MODELS = (("mlp", "MLP, 3.7 M params"), ("cnn", "CNN + BatchNorm, 1.1 M"),
           ("transformer", "transformer, 2.1 M"))
@@ -140,7 +139,7 @@ def targets(root: str) -> list[str]:
     gpu = next((d for d in (_load(root, n) for n in GPU_RESULTS) if d is not None), None)
     if gpu is not None and gpu.get("train"):
         rs = [gpu["train"][k] for k in ("resnet", "transformer") if k in gpu["train"]]
-        out.append(f"| GPU step ≤ 0.95 × DDP on NCCL, one GPU (CNN / transformer) | "
+        out.append("| GPU step ≤ 0.95 × DDP on NCCL, one GPU (CNN / transformer) | "
                    + " / ".join(_vs(r["ratio"], 0.95) for r in rs) + f" ({gpu['gpu']}) | "
                    + " / ".join(_yes(r["ratio"] <= 0.95) for r in rs) + " | "
                    + "; ".join(f"its step with no communication: {r['floor']:.3f} of DDP's"
