@@ -21,7 +21,8 @@ from .common import basics as _basics
 
 
 def optimizer_variables(opt) -> list:
-    """An optimizer's variables: a property on Keras 3, a method on tf_keras' legacy ones."""
+    """An optimizer's variables: a property on Keras 3, a method on tf_keras' legacy ones.
+    (Also a model's: `variables` is a property there.)"""
     v = opt.variables
     return list(v() if callable(v) else v)
 

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from .._keras_callbacks import optimizer_variables
 from ..common import basics as _basics
 from ..common.elastic import HostUpdateResult, ObjectState, State, run_fn
 from ..common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
@@ -75,10 +76,9 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _variables_of(obj) -> list:
-    if obj is None:
-        return []
-    v = obj.variables
-    return list(v() if callable(v) else v)
+    """A model's or an optimizer's variables (a property on Keras 3, a method on tf_keras'
+    legacy optimizers); none for a state without one."""
+    return [] if obj is None else optimizer_variables(obj)
 
 
 def _build_keras_optimizer(model, optimizer) -> None:
