@@ -152,9 +152,8 @@ class Rendezvous:
         return self._store
 
     def start_problem(self) -> Optional[str]:
-        """Without waiting: why the background start failed, or None (done, or still going).
-        Starts it where nothing did yet."""
-        self.serve()
+        """Without waiting: why the background start failed, or None (done, still going, or
+        not asked for yet)."""
         if self._start_error is None:
             return None
         return f"the job's store could not start: {self._start_error!r}"
@@ -305,8 +304,8 @@ class _Job:
         previous = self._install_handlers()
         try:
             result = self._start(spawners)
-            self.rdv.serve()         # the driver's store, if it serves one, behind the ranks
             if result is None:
+                self.rdv.serve()     # the driver's store, if it serves one, behind the ranks
                 result = self._monitor()
         finally:
             self.rdv.close_listener()  # still open when rank 0 never started

@@ -261,7 +261,8 @@ class ElasticDriver:
 
     def _loop(self) -> None:
         self._advance()              # the first workers start now, not after a first wait
-        self.rdv.serve()             # and the store (torch's import) behind them
+        if self.result is None:
+            self.rdv.serve()         # and the store (torch's import) behind them
         while self.result is None:
             try:
                 event = self.events.get(timeout=0.25)
