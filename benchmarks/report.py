@@ -312,6 +312,24 @@ def job_start(root: str) -> list[str]:
     return out
 
 
+def tf_first_step(root: str) -> list[str]:
+    """benchmarks/tf_first_step.py: a custom loop's first (traced) step and its steady step."""
+    d = _load(root, "tf_first_step")
+    if d is None:
+        return []
+    sec, per = d["seconds"], d["ratio_per_round"]
+    out = [f"| TensorFlow custom loop, {d['np']} ranks, {d['rounds']} jobs | plain "
+           "`tf.GradientTape` (peer) | `hvd.DistributedGradientTape` | hvdlite / plain (spread) |",
+           "|---|---|---|---|"]
+    for w, label, unit, scale in (("first", "first call (traces the step)", "s", 1.0),
+                                  ("steady", "a later step", "ms", 1e3)):
+        p, h = sec[f"plain_{w}"], sec[f"hvdlite_{w}"]
+        out.append(f"| {label} | {p['median'] * scale:.3f} {unit} | {h['median'] * scale:.3f} "
+                   f"{unit} ({h['min'] * scale:.3f}–{h['max'] * scale:.3f}) | "
+                   f"{statistics.median(per[w]):.2f} ({min(per[w]):.2f}–{max(per[w]):.2f}) |")
+    return out
+
+
 def zero(root: str) -> list[str]:
     out = ["| transformer + Adam, max over ranks | ranks | state B/rank | × stage 0 | "
            "params+grads+state B/rank | ms/step (spread) | × stage 0 |",
@@ -392,6 +410,7 @@ def main() -> None:
                       ("After a large transfer", cold_cache),
                       ("Control plane", control_plane), ("One-rank job", one_rank),
                       ("Job start", job_start),
+                      ("TensorFlow first step", tf_first_step),
                       ("ZeRO", zero),
                       ("Compression", compression), ("Keras", keras)):
         lines = fn(root)

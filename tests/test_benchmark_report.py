@@ -98,3 +98,19 @@ def test_job_start_table_shows_each_launcher_and_the_ratios(tmp_path):
     assert ("| `hvdlite-run`, elastic (`--min-np 2 --max-np 2 -H localhost:2`; the driver "
             "serves it) | 4.10 (4.00–4.30) |") in report.job_start(str(tmp_path))
     assert report.job_start(str(tmp_path / "missing")) == []
+
+
+def test_tf_first_step_table_shows_both_tapes_and_the_ratios(tmp_path):
+    runs = [{"plain_first": 0.1, "hvdlite_first": 0.3, "plain_steady": 0.002,
+             "hvdlite_steady": 0.008}, {"plain_first": 0.2, "hvdlite_first": 0.3,
+                                        "plain_steady": 0.002, "hvdlite_steady": 0.006}]
+    stats = {k: {"median": sum(r[k] for r in runs) / 2, "min": min(r[k] for r in runs),
+                 "max": max(r[k] for r in runs)} for k in runs[0]}
+    (tmp_path / "tf_first_step.json").write_text(json.dumps({
+        "np": 2, "rounds": 2, "seconds": stats, "runs": runs,
+        "ratio_per_round": {"first": [3.0, 1.5], "steady": [4.0, 3.0]}}))
+    lines = report.tf_first_step(str(tmp_path))
+    assert lines[2] == "| first call (traces the step) | 0.150 s | 0.300 s (0.300–0.300) | " \
+                       "2.25 (1.50–3.00) |"
+    assert lines[3].startswith("| a later step | 2.000 ms | 7.000 ms (6.000–8.000) | 3.50")
+    assert report.tf_first_step(str(tmp_path / "missing")) == []
