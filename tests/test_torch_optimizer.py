@@ -29,6 +29,7 @@ CHECKS = [
     "recreated_optimizer",
     "flat_gradients",
     "join_before_first_step",
+    "torch_compile",
 ]
 
 

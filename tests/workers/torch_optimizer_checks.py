@@ -833,6 +833,41 @@ def join_before_first_step():
     assert bool(opt._flat.active) == FLAT
 
 
+@check
+def torch_compile():
+    # A model compiled with torch.compile trains as the plain one does: the optimizer's hooks
+    # sit on the parameters, which the compiled graph's backward accumulates into, on every
+    # gradient path. A compiled function that calls hvdlite's collectives runs them at a
+    # graph break, eagerly. "aot_eager" traces through Dynamo and AOTAutograd (the parts that
+    # meet autograd's hooks) without inductor's C++ compiler.
+    import torch._dynamo
+    torch._dynamo.reset()
+    model, ref = make_model(seed=21), make_model(seed=21)
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+    ref_opt = sgd(ref)
+    for step in range(STEPS):
+        x, y = global_batch(step, salt=21)
+        opt.zero_grad()
+        F.mse_loss(compiled(local(x)), local(y)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    assert_same_as(model, ref)
+    assert_identical_across_ranks(model)
+    assert bool(opt._flat.active) == FLAT
+
+    @torch.compile(backend="aot_eager")
+    def reduce_then_shift(t):
+        return hvd.allreduce(t * 2, op=hvd.Sum, name="compiled.sum") + 1
+
+    got = reduce_then_shift(torch.full((5,), float(RANK + 1)))
+    want = torch.full((5,), float(sum(2 * (r + 1) for r in range(SIZE)) + 1))
+    torch.testing.assert_close(got, want)
+    torch._dynamo.reset()
+
+
 for fn in CHECKS:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
