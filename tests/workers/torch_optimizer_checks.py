@@ -848,12 +848,7 @@ def torch_compile():
     ref_opt = sgd(ref)
     for step in range(STEPS):
         x, y = global_batch(step, salt=21)
-        opt.zero_grad()
-        F.mse_loss(compiled(local(x)), local(y)).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        F.mse_loss(ref(x), y).backward()
-        ref_opt.step()
+        step_both(compiled, opt, ref, ref_opt, x, y)
     assert_same_as(model, ref)
     assert_identical_across_ranks(model)
     assert bool(opt._flat.active) == FLAT
