@@ -27,7 +27,6 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 MARK = "TF_FIRST_STEP "
 STEADY_CALLS = 20
 

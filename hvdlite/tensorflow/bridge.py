@@ -38,12 +38,10 @@ _XLA_MESSAGE = (
     "present, jit_compile='auto').")
 
 
-
-
 # ---------------------------------------------------------------------- AutoGraph
-def _leave_hvdlite_unconverted() -> bool:
+def _leave_hvdlite_unconverted() -> None:
     """Tell AutoGraph not to rewrite hvdlite's own Python, as it already leaves TensorFlow,
-    Keras and NumPy alone; True where that took.
+    Keras and NumPy alone.
 
     Why: a `tf.function` converts every function it calls that comes from a module it does not
     know, and then every function those call. A custom training step with
@@ -59,16 +57,15 @@ def _leave_hvdlite_unconverted() -> bool:
         from tensorflow.python.autograph.core import config as ag_config
         from tensorflow.python.autograph.core import config_lib as ag_rules
     except ImportError:
-        return False
+        return
     rules = getattr(ag_config, "CONVERSION_RULES", None)
     if not isinstance(rules, tuple) or not hasattr(ag_rules, "DoNotConvert"):
-        return False
+        return
     if not any(isinstance(r, ag_rules.DoNotConvert) and r.matches("hvdlite") for r in rules):
         ag_config.CONVERSION_RULES = rules + (ag_rules.DoNotConvert("hvdlite"),)
-    return True
 
 
-AUTOGRAPH_LEAVES_HVDLITE = _leave_hvdlite_unconverted()
+_leave_hvdlite_unconverted()
 
 
 # ---------------------------------------------------------------------- tensors <-> engine
