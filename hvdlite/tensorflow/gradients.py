@@ -2,9 +2,11 @@
 `DistributedOptimizer` and the Keras `DistributedOptimizer`.
 
 Executing eagerly, all gradients of one call go to the engine in one submission. In a graph
-(`tf.function`, Keras `model.fit`) each gradient leaves in its own small node as soon as backprop
-has produced it, and one node per step waits for all of them: the transfers overlap the rest of
-the backward pass and the engine still fuses what is queued together. Dense
+(`tf.function`, Keras `model.fit`) the same holds where the engine sends a step's CPU gradients as
+one bucket anyway (`ops.whole_pass`: a host with no core to spare per rank): one node submits
+them all once backprop has ended and waits. Elsewhere each gradient leaves in its own small node
+as soon as backprop has produced it, and one node per step waits for all of them: the transfers
+overlap the rest of the backward pass and the engine still fuses what is queued together. Dense
 gradients are allreduced (optionally compressed, optionally in explicit groups); `tf.IndexedSlices`
 (embedding gradients) are allgathered as values + indices, as in Horovod.
 """
@@ -161,7 +163,8 @@ class GradientReducer:
     def _reduce_now(self, grads, dense, sparse, variables, base, cacheable) -> dict:
         """Reduce the gradients at `dense` and `sparse` (indices into `grads`).
 
-        Executing eagerly, every gradient exists already: one submission, one wait. In a graph
+        Executing eagerly, every gradient exists already: one submission, one wait; in a graph
+        the same, as one node, where nothing could overlap (_one_node). Otherwise, in a graph
         (`tf.function`, `model.fit`) each unit (a gradient, or an explicit group) gets its own
         small node that only hands its tensors to the engine and returns a token, so TensorFlow
         runs it as soon as backprop has produced that gradient and the transfer overlaps the
@@ -199,17 +202,15 @@ class GradientReducer:
                 return [svals[members[0]], sidx[members[0]]]
             return [compressed[i] for i in members]
 
-        if tf.executing_eagerly():
-            def fn(*xs):
-                pos, handles = 0, []
-                for unit in units:
-                    k = 2 if unit[2] else len(unit[0])
-                    handles.append(plan.submit(unit, xs[pos:pos + k]))
-                    pos += k
-                return plan.collect(units, handles)
+        def reduce_all(*xs):
+            return plan.collect(units, plan.submit_all(units, xs))
 
-            inputs = [x for unit in units for x in unit_inputs(unit)]
-            outs = fn(*inputs)
+        inputs = [x for unit in units for x in unit_inputs(unit)]
+        if tf.executing_eagerly():
+            outs = reduce_all(*inputs)
+        elif _one_node(inputs):
+            touts, shapes = _unit_signature(units, compressed, svals, sidx)
+            outs = _ops._run("HorovodAllreduceGradients", reduce_all, inputs, touts, shapes)
         else:
             tokens = {}
             # Roughly the order backprop produces gradients in: the last variables first.
@@ -225,16 +226,7 @@ class GradientReducer:
             def collect(*ts):
                 return plan.collect(units, [plan.take(int(t)) for t in ts])
 
-            touts, shapes = [], []
-            for members, _, is_sparse in units:
-                if is_sparse:
-                    v = svals[members[0]]
-                    touts += [v.dtype, sidx[members[0]].dtype]
-                    shapes += [tf.TensorShape([None]).concatenate(v.shape[1:]),
-                               tf.TensorShape([None])]
-                else:
-                    touts += [compressed[i].dtype for i in members]
-                    shapes += [compressed[i].shape for i in members]
+            touts, shapes = _unit_signature(units, compressed, svals, sidx)
             outs = _ops._run("HorovodAllreduceGradients", collect,
                              [tokens[u] for u in range(len(units))], touts, shapes)
         result = {}
@@ -312,6 +304,37 @@ class GradientReducer:
         return buf
 
 
+def _one_node(inputs: list) -> bool:
+    """Whether a traced step reduces its gradients in one node that submits them all once
+    backprop has ended, rather than one submit node per gradient plus a collect node.
+
+    Why: where the engine sends a step's CPU gradients as one bucket (ops.whole_pass: no core
+    to spare per rank), a gradient submitted early only waits in the engine for the last one,
+    so the per-gradient nodes bought no overlap and cost a `py_function` call and a
+    submission each (~0.15-0.2 ms apiece on a 2-core host). A custom loop's step on a small
+    MLP (six gradients, 2 ranks on 2 cores) took 4.0-5.3 ms with them and 2.2-2.6 ms without,
+    against 1.2 ms for the plain tape (benchmarks/tf_first_step.py's steady step). A gradient
+    placed on a GPU keeps the per-gradient nodes: its backprop runs on the device, and the
+    host-side transfers overlap it as in DDP."""
+    if not _cops.whole_pass():
+        return False
+    return not any("GPU" in (getattr(x, "device", "") or "").upper() for x in inputs)
+
+
+def _unit_signature(units, compressed, svals, sidx) -> tuple[list, list]:
+    """(dtypes, static shapes) of a reduction node's outputs, unit by unit."""
+    touts, shapes = [], []
+    for members, _, is_sparse in units:
+        if is_sparse:
+            v = svals[members[0]]
+            touts += [v.dtype, sidx[members[0]].dtype]
+            shapes += [tf.TensorShape([None]).concatenate(v.shape[1:]), tf.TensorShape([None])]
+        else:
+            touts += [compressed[i].dtype for i in members]
+            shapes += [compressed[i].shape for i in members]
+    return touts, shapes
+
+
 _PACE_SEARCH_LIMIT = 2000
 
 
@@ -373,6 +396,18 @@ _pending: dict = {}
 _tokens = itertools.count(1)
 
 
+class _Member:
+    """One buffer's share of a handle that reduced several (Plan.submit_all)."""
+
+    __slots__ = ("handle", "index")
+
+    def __init__(self, handle, index: int):
+        self.handle, self.index = handle, index
+
+    def wait(self) -> list:
+        return [self.handle.wait()[self.index]]
+
+
 class _Plan:
     """How one traced reduction talks to the engine (shared by its submit and collect nodes)."""
 
@@ -404,6 +439,39 @@ class _Plan:
                                      group=gname, cacheable=self.cacheable,
                                      outputs=[r.output_like(n, b) for n, b in zip(names, bufs)])
         return handle, list(xs)
+
+    def submit_all(self, units, xs) -> list:
+        """Hand every unit to the engine at once: what submit() gives for each, in order. The
+        ungrouped dense units go in one call, each its own named collective."""
+        if self.skipped():
+            out, pos = [], 0
+            for unit in units:
+                k = 2 if unit[2] else len(unit[0])
+                out.append((None, list(xs[pos:pos + k])))
+                pos += k
+            return out
+        r = self.reducer
+        out, pos, batch = [], 0, []
+        for unit in units:
+            members, gname, is_sparse = unit
+            k = 2 if is_sparse else len(members)
+            mine = list(xs[pos:pos + k])
+            pos += k
+            if is_sparse or gname is not None:
+                out.append(self.submit(unit, mine))
+            else:
+                out.append(None)
+                batch.append((len(out) - 1, members[0], mine[0]))
+        if batch:
+            names = [f"{self.base}.grad_{i}" for _, i, _ in batch]
+            bufs = [_ops._to_torch(x) for _, _, x in batch]
+            handle = _cops.allreduce(bufs, names=names, op=r.op, prescale=r.prescale,
+                                     postscale=r.postscale, process_set=self.set_id,
+                                     cacheable=self.cacheable,
+                                     outputs=[r.output_like(n, b) for n, b in zip(names, bufs)])
+            for j, (slot, _, x) in enumerate(batch):
+                out[slot] = (_Member(handle, j), [x])
+        return out
 
     def submit_token(self, unit, xs) -> int:
         token = next(_tokens)

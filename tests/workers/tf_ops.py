@@ -15,6 +15,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import hvdlite.tensorflow as hvd  # noqa: E402
+import hvdlite.tensorflow.gradients as hgrads  # noqa: E402
+from hvdlite.common import ops as hops  # noqa: E402
 
 hvd.init(process_sets="dynamic")
 RANK, SIZE = hvd.rank(), hvd.size()
@@ -380,11 +382,32 @@ def _loss(w, x):
 
 
 def check_gradient_path(mode):
-    """The gradient path of DistributedGradientTape (per-gradient submit nodes and one collect
-    node in a graph, one submission eagerly): float32/float64/float16 gradients, a None
+    """The gradient path of DistributedGradientTape: float32/float64/float16 gradients, a None
     gradient, an IndexedSlices gradient, a chain deep enough for the pacing edges, explicit
     groups, and results of earlier steps kept alive while later steps run (the reused output
-    buffers must not overwrite them); against the single-process reference of every step."""
+    buffers must not overwrite them); against the single-process reference of every step.
+
+    Eagerly that is one submission. A graph has two shapes (gradients._one_node): one node
+    that submits every gradient once backprop has ended, where the engine sends a step as one
+    bucket (ops.whole_pass, this 2-core machine), else per-gradient submit nodes and one
+    collect node. The traced graph must have the shape this host calls for, and the check
+    then runs again with the other shape forced, so both are tested on any machine."""
+    if mode == "eager":
+        return _gradient_path(MODES[mode], None)
+    real = hgrads._one_node
+    whole = hops.whole_pass()
+    try:
+        for one_node in (None, not whole):
+            if one_node is not None:
+                hgrads._one_node = lambda inputs, _v=one_node: _v
+            _gradient_path(tf.function, whole if one_node is None else one_node)
+    finally:
+        hgrads._one_node = real
+
+
+def _gradient_path(wrap, one_node):
+    """check_gradient_path's steps through `wrap` (tf.function or not); `one_node`: the graph
+    shape expected (None: eager)."""
     rng = np.random.RandomState(11)
     init = {"a": rng.randn(4, 3).astype(np.float32), "c": rng.randn(3, 3).astype(np.float64),
             "d": rng.randn(3, 2).astype(np.float32), "h": rng.randn(2).astype(np.float16),
@@ -423,14 +446,25 @@ def check_gradient_path(mode):
             tape = hvd.DistributedGradientTape(tape, groups=groups)
             return tape.gradient(loss, [var[n] for n in order])
 
-        fn = MODES[mode](step)
+        fn = wrap(step)
         kept = []
         for k in range(3):
             x, ids = data(RANK, k)
             kept.append(fn(tf.constant(x), tf.constant(ids)))
+        shape = "eager" if one_node is None else "one node" if one_node else "per gradient"
+        if one_node is not None:
+            x, ids = data(RANK, 0)
+            names = [op.name for op in
+                     fn.get_concrete_function(tf.constant(x), tf.constant(ids)).graph
+                     .get_operations() if op.type == "EagerPyFunc"]
+            submits = [n for n in names if "HorovodSubmitGradients" in n]
+            collects = [n for n in names if "HorovodAllreduceGradients" in n]
+            if len(collects) != 1 or bool(submits) == one_node:
+                fail(f"{shape}, groups={'explicit' if groups else None}: the traced graph's "
+                     f"hvdlite nodes are {names}")
         for k, grads in enumerate(kept):
             ref = reference(k)
-            what = f"groups={'explicit' if groups else None} step {k}"
+            what = f"{shape}, groups={'explicit' if groups else None} step {k}"
             for n, g, e in zip(order, grads, ref):
                 if e is None or g is None:
                     if (e is None) != (g is None):
