@@ -10,7 +10,8 @@ one job (`hvdlite-run -np N`), and the rounds give the median and the spread. In
 rank:
 
 1. traces and runs a throwaway plain step on another model (TensorFlow's own one-time costs);
-2. the peer: times the first call of a plain-tape step on a fresh model, then 20 more calls;
+2. the peer: times the first call of a plain-tape step on a fresh model, then, after 10 more
+   untimed calls (the collectives' first negotiations and the engine's steady state), 30 calls;
 3. hvdlite: the same for the identical step with `hvd.DistributedGradientTape` (Average).
 
 It prints each one's first call and steady step, and hvdlite / plain. The steady step includes
@@ -28,7 +29,8 @@ import sys
 import time
 
 MARK = "TF_FIRST_STEP "
-STEADY_CALLS = 20
+WARM_CALLS = 10
+STEADY_CALLS = 30
 
 
 def _rank_program() -> None:
@@ -66,6 +68,8 @@ def _rank_program() -> None:
         t0 = time.perf_counter()
         step(x, y).numpy()
         first = time.perf_counter() - t0
+        for _ in range(WARM_CALLS):
+            step(x, y).numpy()
         times = []
         for _ in range(STEADY_CALLS):
             t0 = time.perf_counter()
