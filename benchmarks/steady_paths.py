@@ -10,7 +10,10 @@ gives medians and the spread of the per-round ratios.
   group) against the raw transport reducing them one by one;
 - barrier: `hvd.barrier()` against the raw transport's barrier;
 - unnamed: a step of ten async gradient allreduces and a blocking loss allreduce without a
-  name against the same step with the loss named (the peer: the steady state's own speed).
+  name against the same step with the loss named (the peer: the steady state's own speed);
+- unnamed_metrics: the same ten allreduces, then two metrics averaged by one blocking
+  `grouped_allreduce` and the predictions gathered by `allgather`, both without names, against
+  the same step with them named.
 """
 from __future__ import annotations
 
@@ -59,6 +62,20 @@ def main():
         else:
             hvd.allreduce(loss)
 
+    metrics = [torch.ones(1), torch.ones(1)]
+    preds = torch.ones(64, 10)
+
+    def metrics_step(named: bool):
+        handles = [hvd.allreduce_async_(g, name=f"paths.g{i}") for i, g in enumerate(step_grads)]
+        for h in handles:
+            hvd.synchronize(h)
+        if named:
+            hvd.grouped_allreduce(metrics, name="paths.metrics")
+            hvd.allgather(preds, name="paths.preds")
+        else:
+            hvd.grouped_allreduce(metrics)
+            hvd.allgather(preds)
+
     rows = {
         "grouped": ("grouped_allreduce_ of 27 tensors (4-18 KiB)", "raw, one by one",
                     alternate(grouped, raw_one_by_one, args.calls, args.rounds)),
@@ -67,6 +84,10 @@ def main():
         "unnamed": ("step with an unnamed loss allreduce", "the same step, loss named",
                     alternate(lambda: step(False), lambda: step(True), args.calls,
                               args.rounds)),
+        "unnamed_metrics": ("step, unnamed grouped_allreduce + allgather",
+                            "the same step, both named",
+                            alternate(lambda: metrics_step(False), lambda: metrics_step(True),
+                                      args.calls, args.rounds)),
     }
     if hvd.rank() == 0:
         print(f"steady-state paths, {hvd.size()} ranks, {raw.name}, medians of {args.rounds} "

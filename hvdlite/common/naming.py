@@ -109,6 +109,29 @@ class claimed_site:
             self._key = None
 
 
+class blocking_name(claimed_site):
+    """`with blocking_name(op, name, set) as wire:` the name a blocking collective goes by:
+    `name` when the caller gave one; else its line alone (claimed_site), so it is cached like a
+    named call; else None (the line is unknown or in use by another thread right now), which
+    the op layer turns into a per-call name (auto_name). Enter it in the frontend's public
+    function, before autograd's `apply`: from inside a Function's forward the first frame
+    outside hvdlite is torch's, the same line for every op.
+
+    Why: an unnamed call is never cached, and in the steady state one uncached call sends the
+    whole set back to the coordinator. One unnamed `hvd.grouped_allreduce`, `hvd.allgather` or
+    `hvd.broadcast` per step of ten cached gradient allreduces (2 ranks, gloo) took the step
+    from 1.1-1.2 ms to 4.3-4.5 ms; the same call named kept it at 1.1-1.2 ms."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, op: str, name: Optional[str], set_id: int = 0):
+        super().__init__(op, set_id, wanted=name is None)
+        self._name = name
+
+    def __enter__(self) -> str | None:
+        return self._name if self._name is not None else super().__enter__()
+
+
 def site_name(prefix: str) -> str:
     """A stable name: `prefix@file:line` (no counter, so the response cache serves it every
     step). Only for synchronous calls, which never overlap with themselves."""

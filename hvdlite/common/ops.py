@@ -207,6 +207,13 @@ def _request(me: int, name: str, rtype: int, b: Buffer, sid: int, reduce: bool,
                    process_set_id=sid, **kw)
 
 
+def blocking_name(kind: str, name: Optional[str], process_set=None) -> naming.blocking_name:
+    """`with ops.blocking_name(kind, name, process_set) as name:` around a frontend's blocking
+    collective (its public function, before autograd): `name` as given, or for an unnamed call
+    its line, so the response cache and the steady state serve it (naming.blocking_name)."""
+    return naming.blocking_name(kind, name, set_id(process_set))
+
+
 def _contiguous(b: Buffer) -> Buffer:
     # Detached so the engine's threads never record autograd history (nor trip over a view
     # of a leaf that needs gradients); a tensor that has none is used as it is (detach() is

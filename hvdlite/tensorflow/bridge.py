@@ -168,6 +168,35 @@ def _wire_name(kind: str, name, ignore_name_scope: bool, set_id: int) -> tuple[s
     return _unique_in_graph(graph, base), True
 
 
+class wire_name:
+    """`with wire_name(kind, name, ignore_name_scope, set_id) as (wire, cacheable):` around a
+    new collective: its name on the wire and whether the engine may cache it (_wire_name),
+    held while the call runs.
+
+    Why: an unnamed eager call runs now, so it is named by its line alone and cached
+    (common.naming.blocking_name), as the torch frontend's blocking calls are, and an unnamed
+    `hvd.allgather(x)` or `hvd.grouped_allreduce(metrics)` per step no longer sends the step's
+    cached collectives back to the coordinator. Where that name is taken (another thread on the
+    same line) or inside a graph, _wire_name names it as before."""
+
+    __slots__ = ("_claim", "_value")
+
+    def __init__(self, kind: str, name, ignore_name_scope: bool, set_id: int):
+        op = "".join("_" + c.lower() if c.isupper() else c for c in kind).lstrip("_")
+        self._claim = _naming.claimed_site(op, set_id) \
+            if name is None and tf.executing_eagerly() else None
+        claimed = self._claim.__enter__() if self._claim is not None else None
+        self._value = (claimed, True) if claimed is not None else \
+            _wire_name(kind, name, ignore_name_scope, set_id)
+
+    def __enter__(self) -> tuple[str, bool]:
+        return self._value
+
+    def __exit__(self, *exc) -> None:
+        if self._claim is not None:
+            self._claim.__exit__(*exc)
+
+
 def _in_xla(graph) -> bool:
     try:
         from tensorflow.python.ops import control_flow_util

@@ -7,7 +7,7 @@ run in program order (automatic control dependencies chain stateful ops), so eve
 its collectives in the same order; in TF1 graphs hvdlite chains them itself.
 
 Names are what the engine matches across ranks. Unnamed eager calls are named by their call site
-(`common.naming.auto_name`); unnamed graph ops get a per-graph counter at trace time
+(`bridge.wire_name`: the line alone, cached, as a named call is); unnamed graph ops get a per-graph counter at trace time
 ("HorovodAllreduce", "HorovodAllreduce_1", ...), which is the same on every rank because every rank traces the same
 code, and stays the same for every run of the graph (so the response cache serves them).
 
@@ -20,7 +20,6 @@ import numpy as np
 import tensorflow as tf
 
 from ..common import basics as _basics
-from ..common import naming as _naming
 from ..common import ops as _cops
 from ..common.exceptions import HorovodInternalError
 from ..common.messages import (ADASUM, AVERAGE, MAX, MIN, PRODUCT, SUM,
@@ -31,7 +30,7 @@ from .bridge import (_BITCAST, _DTYPE_NAMES, _REDUCIBLE, _XLA_MESSAGE, _check_gr
                      _in_xla, _movable, _rt_allgather, _rt_allreduce, _rt_alltoall,
                      _rt_broadcast, _rt_reducescatter, _run, _set_id, _set_rank, _set_ranks,
                      _set_size, _to_tf, _to_torch, _unique_in_graph, _wire_name, filled,
-                     gather_shape, with_gradient)
+                     gather_shape, wire_name, with_gradient)
 from .compression import Compression
 
 Average, Sum, Adasum, Min, Max, Product = AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT
@@ -55,13 +54,7 @@ def _allreduce(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_factor=
     _dtype_name(tensor.dtype, True, "allreduce")
     set_id = _set_id(process_set)
     _check_graph("hvd.allreduce")
-    # Eager and unnamed: the call runs now, so it is named by its line alone and cached, as
-    # the torch frontend's blocking allreduce (common.naming.claimed_site); an unnamed
-    # hvd.allreduce(loss) per step then keeps the steady state.
-    with _naming.claimed_site("allreduce", set_id,
-                              wanted=name is None and tf.executing_eagerly()) as claimed:
-        wire, cacheable = (claimed, True) if claimed is not None else \
-            _wire_name("Allreduce", name, ignore_name_scope, set_id)
+    with wire_name("Allreduce", name, ignore_name_scope, set_id) as (wire, cacheable):
         return _allreduce_named(tensor, wire, cacheable, op, float(prescale_factor),
                                 float(postscale_factor), set_id)
 
@@ -79,9 +72,9 @@ def _grouped_allreduce(tensors, name=None, op=Sum, prescale_factor=1.0, postscal
         _dtype_name(t.dtype, True, "grouped_allreduce")
     set_id = _set_id(process_set)
     _check_graph("hvd.grouped_allreduce")
-    wire, cacheable = _wire_name("GroupedAllreduce", name, ignore_name_scope, set_id)
-    return _grouped_allreduce_named(tensors, wire, cacheable, op, float(prescale_factor),
-                                    float(postscale_factor), set_id)
+    with wire_name("GroupedAllreduce", name, ignore_name_scope, set_id) as (wire, cacheable):
+        return _grouped_allreduce_named(tensors, wire, cacheable, op, float(prescale_factor),
+                                        float(postscale_factor), set_id)
 
 
 def _grouped_allreduce_named(tensors, wire, cacheable, op, pre, post, set_id, grouped=True):
@@ -118,10 +111,10 @@ def _sparse_allreduce(slices, op, name, process_set, ignore_name_scope, prescale
     _dtype_name(values.dtype, True, "allreduce of tf.IndexedSlices")
     set_id = _set_id(process_set)
     _check_graph("hvd.allreduce (tf.IndexedSlices)")
-    wire, cacheable = _wire_name("Allreduce", name, ignore_name_scope, set_id)
-    new_values, new_indices = _sparse_allreduce_named(values, indices, wire, cacheable, op,
-                                                      set_id)
-    return tf.IndexedSlices(new_values, new_indices, dense_shape=slices.dense_shape)
+    with wire_name("Allreduce", name, ignore_name_scope, set_id) as (wire, cacheable):
+        new_values, new_indices = _sparse_allreduce_named(values, indices, wire, cacheable, op,
+                                                          set_id)
+        return tf.IndexedSlices(new_values, new_indices, dense_shape=slices.dense_shape)
 
 
 def _sparse_allreduce_named(values, indices, wire, cacheable, op, set_id):
@@ -148,8 +141,8 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     tensor, restore = _movable(tensor, "allgather")
     set_id = _set_id(process_set)
     _check_graph("hvd.allgather")
-    wire, cacheable = _wire_name("Allgather", name, ignore_name_scope, set_id)
-    return restore(_allgather_named(tensor, wire, cacheable, set_id))
+    with wire_name("Allgather", name, ignore_name_scope, set_id) as (wire, cacheable):
+        return restore(_allgather_named(tensor, wire, cacheable, set_id))
 
 
 def _allgather_named(tensor, wire, cacheable, set_id):
@@ -192,9 +185,9 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
     moved = [_movable(t, "grouped_allgather") for t in tensors]
     set_id = _set_id(process_set)
     _check_graph("hvd.grouped_allgather")
-    wire, cacheable = _wire_name("GroupedAllgather", name, ignore_name_scope, set_id)
-    outs = _grouped_allgather_named([m[0] for m in moved], wire, cacheable, set_id)
-    return [restore(o) for o, (_, restore) in zip(outs, moved)]
+    with wire_name("GroupedAllgather", name, ignore_name_scope, set_id) as (wire, cacheable):
+        outs = _grouped_allgather_named([m[0] for m in moved], wire, cacheable, set_id)
+        return [restore(o) for o, (_, restore) in zip(outs, moved)]
 
 
 def _grouped_allgather_named(tensors, wire, cacheable, set_id, grouped=True):
@@ -222,8 +215,8 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
     tensor, restore = _movable(tensor, "broadcast")
     set_id = _set_id(process_set)
     _check_graph("hvd.broadcast")
-    wire, cacheable = _wire_name("Broadcast", name, ignore_name_scope, set_id)
-    return restore(_broadcast_named(tensor, int(root_rank), wire, cacheable, set_id))
+    with wire_name("Broadcast", name, ignore_name_scope, set_id) as (wire, cacheable):
+        return restore(_broadcast_named(tensor, int(root_rank), wire, cacheable, set_id))
 
 
 def _broadcast_named(tensor, root_rank, wire, cacheable, set_id):
@@ -285,16 +278,16 @@ def broadcast_group(tensors, root_rank, name=None, process_set=global_process_se
     moved = [_movable(t, "broadcast") for t in tensors]
     set_id = _set_id(process_set)
     _check_graph("hvd.broadcast_variables")
-    wire, cacheable = _wire_name(kind, name, ignore_name_scope, set_id)
-    names = [f"{wire}.{i}" for i in range(len(tensors))]
-    root = int(root_rank)
+    with wire_name(kind, name, ignore_name_scope, set_id) as (wire, cacheable):
+        names = [f"{wire}.{i}" for i in range(len(tensors))]
+        root = int(root_rank)
 
-    def fn(*xs):
-        return _rt_broadcast(list(xs), names, root, set_id, cacheable)
+        def fn(*xs):
+            return _rt_broadcast(list(xs), names, root, set_id, cacheable)
 
-    xs = [m[0] for m in moved]
-    outs = _run("HorovodBroadcastGroup", fn, xs, [x.dtype for x in xs], [x.shape for x in xs])
-    return [restore(o) for o, (_, restore) in zip(outs, moved)]
+        xs = [m[0] for m in moved]
+        outs = _run("HorovodBroadcastGroup", fn, xs, [x.dtype for x in xs], [x.shape for x in xs])
+        return [restore(o) for o, (_, restore) in zip(outs, moved)]
 
 
 # ---------------------------------------------------------------------- alltoall
@@ -365,9 +358,9 @@ def _reducescatter(tensor, name=None, op=Sum, ignore_name_scope=False,
     _dtype_name(tensor.dtype, True, "reducescatter")
     set_id = _set_id(process_set)
     _check_graph("hvd.reducescatter")
-    wire, cacheable = _wire_name("Reducescatter", name, ignore_name_scope, set_id)
-    return _grouped_reducescatter_named([tensor], wire, cacheable, op, float(prescale_factor),
-                                        float(postscale_factor), set_id, grouped=False)[0]
+    with wire_name("Reducescatter", name, ignore_name_scope, set_id) as (wire, cacheable):
+        return _grouped_reducescatter_named([tensor], wire, cacheable, op, float(prescale_factor),
+                                            float(postscale_factor), set_id, grouped=False)[0]
 
 
 def _grouped_reducescatter(tensors, name=None, op=Sum, ignore_name_scope=False,
@@ -381,9 +374,9 @@ def _grouped_reducescatter(tensors, name=None, op=Sum, ignore_name_scope=False,
         _dtype_name(t.dtype, True, "grouped_reducescatter")
     set_id = _set_id(process_set)
     _check_graph("hvd.grouped_reducescatter")
-    wire, cacheable = _wire_name("GroupedReducescatter", name, ignore_name_scope, set_id)
-    return _grouped_reducescatter_named(tensors, wire, cacheable, op, float(prescale_factor),
-                                        float(postscale_factor), set_id, grouped=True)
+    with wire_name("GroupedReducescatter", name, ignore_name_scope, set_id) as (wire, cacheable):
+        return _grouped_reducescatter_named(tensors, wire, cacheable, op, float(prescale_factor),
+                                            float(postscale_factor), set_id, grouped=True)
 
 
 def _grouped_reducescatter_named(tensors, wire, cacheable, op, pre, post, set_id, grouped):

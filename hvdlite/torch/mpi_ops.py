@@ -192,13 +192,14 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """Allreduce a list of tensors together; differentiable."""
     compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
-    if _traced(compressed):
-        reduced = HorovodGroupedAllreduce.apply(average, name, op, prescale_factor,
-                                                postscale_factor, process_set, *compressed)
-    else:
-        reduced = synchronize(grouped_allreduce_async(list(compressed), average, name, op,
-                                                      prescale_factor, postscale_factor,
-                                                      process_set))
+    with _ops.blocking_name("grouped_allreduce", name, process_set) as name:
+        if _traced(compressed):
+            reduced = HorovodGroupedAllreduce.apply(average, name, op, prescale_factor,
+                                                    postscale_factor, process_set, *compressed)
+        else:
+            reduced = synchronize(grouped_allreduce_async(list(compressed), average, name, op,
+                                                          prescale_factor, postscale_factor,
+                                                          process_set))
     return [compression.decompress(t, c) for t, c in zip(reduced, ctxs)]
 
 
@@ -213,8 +214,9 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                        postscale_factor=1.0, process_set=global_process_set):
-    synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                         postscale_factor, process_set))
+    with _ops.blocking_name("grouped_allreduce", name, process_set) as name:
+        synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                             postscale_factor, process_set))
     return list(tensors)
 
 
@@ -274,9 +276,10 @@ def _check_gatherable(tensor):
 def allgather(tensor, name=None, process_set=global_process_set):
     """Concatenate every rank's tensor along dimension 0 (first dims may differ); differentiable."""
     _check_gatherable(tensor)
-    if _traced((tensor,)):
-        return HorovodAllgather.apply(tensor, name, process_set)
-    return synchronize(allgather_async(tensor, name, process_set))
+    with _ops.blocking_name("allgather", name, process_set) as name:
+        if _traced((tensor,)):
+            return HorovodAllgather.apply(tensor, name, process_set)
+        return synchronize(allgather_async(tensor, name, process_set))
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
@@ -306,9 +309,10 @@ class HorovodGroupedAllgather(torch.autograd.Function):
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
     for t in tensors:
         _check_gatherable(t)
-    if _traced(tensors):
-        return list(HorovodGroupedAllgather.apply(name, process_set, *tensors))
-    return list(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+    with _ops.blocking_name("grouped_allgather", name, process_set) as name:
+        if _traced(tensors):
+            return list(HorovodGroupedAllgather.apply(name, process_set, *tensors))
+        return list(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
 
 
 # ---------------------------------------------------------------------- broadcast
@@ -341,9 +345,10 @@ class HorovodBroadcast(torch.autograd.Function):
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     """Broadcast `tensor` from `root_rank`; differentiable."""
-    if _traced((tensor,)):
-        return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
-    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+    with _ops.blocking_name("broadcast", name, process_set) as name:
+        if _traced((tensor,)):
+            return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:
@@ -353,7 +358,8 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
     """In-place broadcast; returns `tensor`."""
-    synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    with _ops.blocking_name("broadcast", name, process_set) as name:
+        synchronize(broadcast_async_(tensor, root_rank, name, process_set))
     return tensor
 
 
@@ -448,12 +454,13 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     """Reduce-scatter along dimension 0; differentiable."""
     compressed, cctx = compression.compress(tensor)
-    if _traced((compressed,)):
-        out = HorovodReducescatter.apply(compressed, name, op, process_set, prescale_factor,
-                                         postscale_factor)
-    else:
-        out = synchronize(reducescatter_async(compressed, name, op, process_set,
-                                              prescale_factor, postscale_factor))
+    with _ops.blocking_name("reducescatter", name, process_set) as name:
+        if _traced((compressed,)):
+            out = HorovodReducescatter.apply(compressed, name, op, process_set,
+                                             prescale_factor, postscale_factor)
+        else:
+            out = synchronize(reducescatter_async(compressed, name, op, process_set,
+                                                  prescale_factor, postscale_factor))
     return compression.decompress(out, cctx)
 
 
@@ -483,12 +490,14 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0):
     compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
-    if _traced(compressed):
-        outs = HorovodGroupedReducescatter.apply(name, op, process_set, prescale_factor,
-                                                 postscale_factor, *compressed)
-    else:
-        outs = synchronize(grouped_reducescatter_async(list(compressed), name, op, process_set,
-                                                       prescale_factor, postscale_factor))
+    with _ops.blocking_name("grouped_reducescatter", name, process_set) as name:
+        if _traced(compressed):
+            outs = HorovodGroupedReducescatter.apply(name, op, process_set, prescale_factor,
+                                                     postscale_factor, *compressed)
+        else:
+            outs = synchronize(grouped_reducescatter_async(list(compressed), name, op,
+                                                           process_set, prescale_factor,
+                                                           postscale_factor))
     return [compression.decompress(t, c) for t, c in zip(outs, ctxs)]
 
 

@@ -192,19 +192,37 @@ def barrier():
 
 
 def unnamed():
-    """A blocking allreduce without a name is named by its line alone (naming.claimed_site), so a
-    step with one (a logged loss) stays in the steady state; a changed shape from that line
-    still raises the mismatch error, naming the line."""
+    """A blocking collective without a name is named by its line alone (naming.blocking_name),
+    so a step with unnamed blocking calls (a logged loss, averaged metrics, gathered
+    predictions, a broadcast flag, a reduce-scatter) stays in the steady state, each call with
+    the reference result; a changed shape from such a line still raises the mismatch error,
+    naming the line."""
+    def ref(k, shape, tag):
+        return [gen(r, shape, torch.float32, salt=("un", tag, k)) for r in range(size)]
+
     def ustep(k):
         step(k, prefix="un")
-        x = gen(rank, (3,), torch.float32, salt=("un", k))
-        same(hvd.allreduce(x, op=hvd.Sum), sum(gen(r, (3,), torch.float32, salt=("un", k))
-                                               for r in range(size)), f"unnamed step {k}")
+        x = ref(k, (3,), "ar")
+        same(hvd.allreduce(x[rank], op=hvd.Sum), sum(x), f"unnamed allreduce, step {k}")
+        a, b = ref(k, (2,), "ga"), ref(k, (4, 2), "gb")
+        got = hvd.grouped_allreduce([a[rank], b[rank]], op=hvd.Sum)
+        same(got[0], sum(a), f"unnamed grouped_allreduce [0], step {k}")
+        same(got[1], sum(b), f"unnamed grouped_allreduce [1], step {k}")
+        g = ref(k, (2, 3), "ag")
+        same(hvd.allgather(g[rank]), torch.cat(g), f"unnamed allgather, step {k}")
+        c = ref(k, (5,), "bc")
+        same(hvd.broadcast(c[rank], root_rank=1), c[1], f"unnamed broadcast, step {k}")
+        y = c[rank].clone()
+        hvd.broadcast_(y, root_rank=0)
+        same(y, c[0], f"unnamed broadcast_, step {k}")
+        rs = ref(k, (2 * size, 2), "rs")
+        same(hvd.reducescatter(rs[rank], op=hvd.Sum), sum(rs)[2 * rank:2 * rank + 2],
+             f"unnamed reducescatter, step {k}")
 
     d = steady_delta(ustep, range(3), range(3, 9))
     if d["coordinator_messages"] or d["steady_fallbacks"]:
-        fail(f"steady steps with an unnamed allreduce sent {d['coordinator_messages']} messages "
-             f"to the coordinator and fell back {d['steady_fallbacks']} times: {d}")
+        fail(f"steady steps with unnamed blocking calls sent {d['coordinator_messages']} "
+             f"messages to the coordinator and fell back {d['steady_fallbacks']} times: {d}")
     try:
         hvd.allreduce(torch.ones(4 if rank == 1 else 3), op=hvd.Sum)
     except hvd.HorovodInternalError as exc:
@@ -213,6 +231,13 @@ def unnamed():
             fail(f"unexpected error: {exc}")
     else:
         fail("an unnamed shape mismatch did not raise")
+    try:
+        hvd.allgather(torch.ones(2, 4 if rank == 1 else 3))
+    except hvd.HorovodInternalError as exc:
+        if "allgather.noname.steady_state.py:" not in str(exc):
+            fail(f"unexpected error from a mismatched unnamed allgather: {exc}")
+    else:
+        fail("an unnamed allgather of mismatched shapes did not raise")
 
 
 def buckets():

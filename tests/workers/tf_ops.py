@@ -759,20 +759,35 @@ SIGNATURES = {
 
 
 def check_unnamed_steady():
-    """An eager allreduce without a name is named by its line and cached: a loop of them (a
-    logged loss) reaches the steady state and sends nothing to the coordinator."""
+    """Eager collectives without a name are named by their line and cached: a loop of them (a
+    logged loss, averaged metrics, gathered predictions, a broadcast, a reduce-scatter)
+    reaches the steady state and sends nothing to the coordinator, each with the reference
+    result."""
     from hvdlite.common import basics
-    x = tf.constant([1.0, 2.0]) * (RANK + 1)
-    want = sum(np.array([1.0, 2.0]) * (r + 1) for r in range(SIZE))
+
+    def ref(k, shape, tag):
+        return [gen(r, shape, tf.float32, f"un{tag}{k}") for r in range(SIZE)]
+
     for k in range(14):
         if k == 6:
             before = basics.engine_counters()
-        got = hvd.allreduce(x, op=hvd.Sum)
-        np.testing.assert_allclose(got.numpy(), want)
+        x = ref(k, (2,), "ar")
+        close(hvd.allreduce(tf.constant(x[RANK]), op=hvd.Sum), sum(x), f"allreduce, step {k}")
+        a, b = ref(k, (3,), "ga"), ref(k, (2, 2), "gb")
+        got = hvd.grouped_allreduce([tf.constant(a[RANK]), tf.constant(b[RANK])], op=hvd.Sum)
+        close(got[0], sum(a), f"grouped_allreduce [0], step {k}")
+        close(got[1], sum(b), f"grouped_allreduce [1], step {k}")
+        g = ref(k, (2, 3), "ag")
+        close(hvd.allgather(tf.constant(g[RANK])), np.concatenate(g), f"allgather, step {k}")
+        c = ref(k, (4,), "bc")
+        close(hvd.broadcast(tf.constant(c[RANK]), root_rank=1), c[1], f"broadcast, step {k}")
+        rs = ref(k, (2 * SIZE, 2), "rs")
+        close(hvd.reducescatter(tf.constant(rs[RANK]), op=hvd.Sum),
+              sum(rs)[2 * RANK:2 * RANK + 2], f"reducescatter, step {k}")
     after = basics.engine_counters()
     if after["coordinator_messages"] != before["coordinator_messages"] \
             or after["steady_entered"] < 1:
-        fail(f"unnamed eager allreduces did not stay in the steady state: {before} -> {after}")
+        fail(f"unnamed eager collectives did not stay in the steady state: {before} -> {after}")
 
 
 def check_autograph_leaves_hvdlite_alone():
