@@ -60,7 +60,7 @@ def test_steady_state_gloo_control_connections():
     _all_checks(Run("steady_state.py", 3, env={"HVDLITE_SHM": "0"}, timeout=150), CHECKS)
 
 
-def _mpi(script: str, np: int, args=None, env=None) -> MpiRun:
+def _mpi(script: str, np: int, args=None, env=None) -> Run:
     from test_mpi import HAVE_MPI
     if not HAVE_MPI:
         pytest.skip("mpi4py/mpiexec not installed (pip install mpi4py mpich)")
