@@ -196,7 +196,9 @@ VARIABLES: tuple[Var, ...] = (
        "other"),
     _v("TF_PACE_BACKPROP", "bool", True, "TensorFlow: order each gradient unit's collective "
        "before the next unit's gradient op in a traced step, so reduction overlaps "
-       "backpropagation; 0 leaves the order to TensorFlow", _L, "other"),
+       "backpropagation; 0 leaves the order to TensorFlow. Only where a traced step has a "
+       "node per gradient: a host with no core to spare per rank has one node per step, with "
+       "nothing to pace", _L, "other"),
     _v("REQUIRE_RAY", "bool", False, "tests: missing Ray fails the Ray tests instead of "
        "skipping them", _L, "other"),
     _v("P2P_INLINE_BYTES", "int", None, "pipeline point-to-point: messages up to this size "
