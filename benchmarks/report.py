@@ -211,6 +211,13 @@ def allreduce(root: str) -> list[str]:
     return out
 
 
+def _paired(r: dict) -> str:
+    """The cells of one row that bench_util.alternate timed: hvdlite µs, the peer, its µs, and
+    the ratio with the spread of the per-round ratios."""
+    return (f"{r['hvdlite_us']:.1f} | {r['peer']} | {r['peer_us']:.1f} | **{r['ratio']:.2f}** "
+            f"({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) |")
+
+
 def steady_paths(root: str) -> list[str]:
     out = ["| call, 2 ranks | transport | hvdlite µs | peer | peer µs | hvdlite/peer (spread) |",
            "|---|---|---|---|---|---|"]
@@ -219,10 +226,18 @@ def steady_paths(root: str) -> list[str]:
         if d is None:
             continue
         for r in d["rows"].values():
-            out.append(f"| {r['what']} | {d['transport']} | {r['hvdlite_us']:.1f} | {r['peer']} "
-                       f"| {r['peer_us']:.1f} | **{r['ratio']:.2f}** ({r['ratio_min']:.2f}–"
-                       f"{r['ratio_max']:.2f}) |")
+            out.append(f"| {r['what']} | {d['transport']} | " + _paired(r))
     return out if len(out) > 2 else []
+
+
+def tf_eager_ops(root: str) -> list[str]:
+    """benchmarks/tf_eager_ops.py: TensorFlow's eager collectives against the torch frontend."""
+    d = _load(root, "tf_eager_ops")
+    if d is None:
+        return []
+    out = [f"| eager call, {d['ranks']} ranks | hvdlite.tensorflow µs | peer | peer µs | "
+           "ratio (spread) |", "|---|---|---|---|---|"]
+    return out + [f"| {r['what']} | " + _paired(r) for r in d["rows"].values()]
 
 
 def cold_cache(root: str) -> list[str]:
@@ -411,6 +426,7 @@ def main() -> None:
                       ("Control plane", control_plane), ("One-rank job", one_rank),
                       ("Job start", job_start),
                       ("TensorFlow first step", tf_first_step),
+                      ("TensorFlow eager collectives", tf_eager_ops),
                       ("ZeRO", zero),
                       ("Compression", compression), ("Keras", keras)):
         lines = fn(root)

@@ -45,6 +45,8 @@ echo "== Keras model.fit / DistributedGradientTape / torch frontend / one plain 
 "$PY" benchmarks/keras_fit.py --json "$OUT/keras_fit.json"
 echo "== a TensorFlow custom loop's first (traced) step: DistributedGradientTape against a plain tape"
 "$PY" benchmarks/tf_first_step.py --json "$OUT/tf_first_step.json"
+echo "== TensorFlow eager collectives against the torch frontend's, 2 ranks, gloo"
+.venv/bin/hvdlite-run -np 2 "$PY" benchmarks/tf_eager_ops.py --json "$OUT/tf_eager_ops.json"
 echo "== control plane, simulated 2-512 ranks"
 "$PY" benchmarks/control_plane.py --json "$OUT/control_plane.json"
 echo "== a one-rank job: steady state on one member, and every call through the coordinator"

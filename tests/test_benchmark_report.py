@@ -114,3 +114,15 @@ def test_tf_first_step_table_shows_both_tapes_and_the_ratios(tmp_path):
                        "2.25 (1.50–3.00) |"
     assert lines[3].startswith("| a later step | 2.000 ms | 7.000 ms (6.000–8.000) | 3.50")
     assert report.tf_first_step(str(tmp_path / "missing")) == []
+
+
+def test_tf_eager_ops_table_shows_each_call_against_its_peer(tmp_path):
+    row = {"hvdlite_us": 250.0, "peer_us": 100.0, "ratio": 2.5, "ratio_min": 2.0,
+           "ratio_max": 3.0, "what": "hvd.allreduce, 4 KiB", "peer": "torch frontend, same call"}
+    (tmp_path / "tf_eager_ops.json").write_text(json.dumps({
+        "ranks": 2, "rounds": 5, "calls": 300, "rows": {"allreduce": row}}))
+    lines = report.tf_eager_ops(str(tmp_path))
+    assert lines[0].startswith("| eager call, 2 ranks |")
+    assert lines[2] == "| hvd.allreduce, 4 KiB | 250.0 | torch frontend, same call | 100.0 | " \
+                       "**2.50** (2.00–3.00) |"
+    assert report.tf_eager_ops(str(tmp_path / "missing")) == []
