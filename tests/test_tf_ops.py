@@ -24,7 +24,7 @@ PER_MODE = [f"allreduce_{op}" for op in ("Average", "Sum", "Min", "Max", "Produc
     "gradient_tape", "gradient_path", "tf1_optimizer", "sync_batch_norm", "mismatch_errors"]
 CHECKS = ["topology", "api"] + [f"{c}_{m}" for m in MODES for c in PER_MODE] + [
     "tf1_graph", "uneven_join", "process_sets", "objects", "partial_tape", "size_one_tape",
-    "local_errors", "unnamed_steady", "autograph_leaves_hvdlite_alone"]
+    "local_errors", "unnamed_steady", "eager_without_tape", "autograph_leaves_hvdlite_alone"]
 
 
 @pytest.fixture(scope="module")
