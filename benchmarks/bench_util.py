@@ -2,10 +2,12 @@
 directory is on sys.path)."""
 from __future__ import annotations
 
+import argparse
+import json
 import socket
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,34 @@ def timed(fn: Callable[[], None], n: int) -> float:
     for _ in range(n):
         fn()
     return (time.perf_counter() - t0) / n
+
+
+def paired_args(doc: str, rounds: int, calls: int) -> argparse.Namespace:
+    """The command line of a benchmark whose rows `alternate` times: --rounds, --calls (per
+    round) and --json (where to write the rows)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--calls", type=int, default=calls, help="calls per round")
+    p.add_argument("--json", default=None)
+    return p.parse_args()
+
+
+def report_paired(title: str, rows: dict, path: Optional[str], extra: dict,
+                  label: str = "hvdlite us") -> None:
+    """Print rows that `alternate` timed (key -> (what, peer, its result)) as a table under
+    `title`, and write them with `extra` to `path` as JSON (report.py reads the rows)."""
+    w = max(len(what) for what, _, _ in rows.values()) + 2
+    pw = max(len(peer) for _, peer, _ in rows.values()) + 2
+    n = len(label)
+    print(title)
+    print(f"{'call':<{w}} {label:>{n}} {'peer':<{pw}} {'peer us':>9} {'ratio':>6} {'spread':>11}")
+    for what, peer, r in rows.values():
+        print(f"{what:<{w}} {r['hvdlite_us']:>{n}.1f} {peer:<{pw}} {r['peer_us']:>9.1f} "
+              f"{r['ratio']:>6.2f} {r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f}")
+    if path:
+        with open(path, "w") as f:
+            json.dump(dict(extra, rows={k: dict(r, what=what, peer=peer)
+                                        for k, (what, peer, r) in rows.items()}), f, indent=1)
 
 
 def alternate(hv: Callable[[], None], peer: Callable[[], None], n: int, rounds: int) -> dict:

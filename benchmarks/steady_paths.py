@@ -17,26 +17,16 @@ gives medians and the spread of the per-round ratios.
 """
 from __future__ import annotations
 
-import argparse
-import json
 
 import torch
 
 import hvdlite.torch as hvd
 from allreduce import RawGloo, RawMPI
-from bench_util import alternate
-
-
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--calls", type=int, default=50, help="calls per round")
-    p.add_argument("--json", default=None)
-    return p.parse_args()
+from bench_util import alternate, paired_args, report_paired
 
 
 def main():
-    args = parse_args()
+    args = paired_args(__doc__, rounds=7, calls=50)
     hvd.init()
     torch.set_num_threads(1)
     raw = RawMPI() if hvd.mpi_enabled() else RawGloo()
@@ -53,10 +43,13 @@ def main():
     step_grads = [torch.ones(20000) for _ in range(10)]
     loss = torch.ones(1)
 
-    def step(named: bool):
+    def gradients():
         handles = [hvd.allreduce_async_(g, name=f"paths.g{i}") for i, g in enumerate(step_grads)]
         for h in handles:
             hvd.synchronize(h)
+
+    def step(named: bool):
+        gradients()
         if named:
             hvd.allreduce(loss, name="paths.loss")
         else:
@@ -66,9 +59,7 @@ def main():
     preds = torch.ones(64, 10)
 
     def metrics_step(named: bool):
-        handles = [hvd.allreduce_async_(g, name=f"paths.g{i}") for i, g in enumerate(step_grads)]
-        for h in handles:
-            hvd.synchronize(h)
+        gradients()
         if named:
             hvd.grouped_allreduce(metrics, name="paths.metrics")
             hvd.allgather(preds, name="paths.preds")
@@ -90,18 +81,10 @@ def main():
                                       args.calls, args.rounds)),
     }
     if hvd.rank() == 0:
-        print(f"steady-state paths, {hvd.size()} ranks, {raw.name}, medians of {args.rounds} "
-              f"alternating rounds of {args.calls} calls (spread: min-max of per-round ratios)")
-        print(f"{'call':<44} {'hvdlite us':>11} {'peer':<28} {'peer us':>9} {'ratio':>6} "
-              f"{'spread':>11}")
-        for what, peer, r in rows.values():
-            print(f"{what:<44} {r['hvdlite_us']:>11.1f} {peer:<28} {r['peer_us']:>9.1f} "
-                  f"{r['ratio']:>6.2f} {r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"ranks": hvd.size(), "transport": raw.name,
-                           "rows": {k: dict(r, what=w, peer=p) for k, (w, p, r) in rows.items()}},
-                          f, indent=1)
+        report_paired(f"steady-state paths, {hvd.size()} ranks, {raw.name}, medians of "
+                      f"{args.rounds} alternating rounds of {args.calls} calls (spread: min-max "
+                      f"of per-round ratios)", rows, args.json,
+                      {"ranks": hvd.size(), "transport": raw.name})
     hvd.shutdown()
 
 

@@ -12,8 +12,6 @@ collective's gradient) against the same call with no tape.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -24,19 +22,11 @@ import torch  # noqa: E402
 
 import hvdlite.tensorflow as hvd  # noqa: E402
 import hvdlite.torch as hvd_torch  # noqa: E402
-from bench_util import alternate  # noqa: E402
-
-
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--calls", type=int, default=300, help="calls per round")
-    p.add_argument("--json", default=None)
-    return p.parse_args()
+from bench_util import alternate, paired_args, report_paired  # noqa: E402
 
 
 def main():
-    args = parse_args()
+    args = paired_args(__doc__, rounds=5, calls=300)
     hvd.init()
     torch.set_num_threads(1)
     small = np.ones(1024, np.float32)                       # 4 KiB
@@ -71,18 +61,11 @@ def main():
     rows = {k: (what, peer, alternate(a, b, args.calls, args.rounds))
             for k, (what, peer, a, b) in cases.items()}
     if hvd.rank() == 0:
-        print(f"TensorFlow eager collectives, {hvd.size()} ranks, medians of {args.rounds} "
-              f"alternating rounds of {args.calls} calls (spread: min-max of per-round ratios)")
-        print(f"{'call':<42} {'hvdlite.tensorflow us':>21} {'peer':<26} {'peer us':>8} "
-              f"{'ratio':>6} {'spread':>11}")
-        for what, peer, r in rows.values():
-            print(f"{what:<42} {r['hvdlite_us']:>21.1f} {peer:<26} {r['peer_us']:>8.1f} "
-                  f"{r['ratio']:>6.2f} {r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"ranks": hvd.size(), "rounds": args.rounds, "calls": args.calls,
-                           "rows": {k: dict(r, what=w, peer=pp)
-                                    for k, (w, pp, r) in rows.items()}}, f, indent=1)
+        report_paired(f"TensorFlow eager collectives, {hvd.size()} ranks, medians of "
+                      f"{args.rounds} alternating rounds of {args.calls} calls (spread: min-max "
+                      f"of per-round ratios)", rows, args.json,
+                      {"ranks": hvd.size(), "rounds": args.rounds, "calls": args.calls},
+                      label="hvdlite.tensorflow us")
     hvd.shutdown()
 
 
