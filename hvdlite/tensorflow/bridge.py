@@ -253,6 +253,11 @@ def _check_reduce_op(op) -> None:
         raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Min, Max or Product")
 
 
+try:
+    from tensorflow.python.eager.record import could_possibly_record as _could_possibly_record
+except ImportError:     # a TensorFlow without it: every call keeps its gradient
+    def _could_possibly_record() -> bool:
+        return True
 
 
 def _nothing_records() -> bool:
@@ -260,8 +265,9 @@ def _nothing_records() -> bool:
     gradient of what runs now can ever be asked for.
 
     Why: `tf.custom_gradient` costs ~0.4 ms per eager call (it decorates the function and
-    inspects its signature every time): a 4 KiB eager `hvd.allreduce` on 2 ranks took ~570 us
-    with it, against ~80 us through the torch frontend. TensorFlow's own check
+    inspects its signature every time): a 4 KiB eager `hvd.allreduce` on 2 ranks took 617-646
+    us with it and 208-258 without, against 107-113 us through the torch frontend
+    (benchmarks/tf_eager_ops.py, two alternating runs). TensorFlow's own check
     (`tensorflow.python.eager.record.could_possibly_record`, private; where a TensorFlow moves
     it, every call keeps its gradient as before) costs ~0.2 us."""
     if not tf.executing_eagerly():
@@ -270,13 +276,6 @@ def _nothing_records() -> bool:
         return not _could_possibly_record()
     except Exception:   # TF internals changed: keep the gradient
         return False
-
-
-try:
-    from tensorflow.python.eager.record import could_possibly_record as _could_possibly_record
-except ImportError:     # a TensorFlow without it: every call keeps its gradient
-    def _could_possibly_record() -> bool:
-        return True
 
 
 def with_gradient(forward, grad, tensors: list) -> list:

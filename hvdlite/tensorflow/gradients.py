@@ -311,11 +311,11 @@ def _one_node(inputs: list) -> bool:
     Why: where the engine sends a step's CPU gradients as one bucket (ops.whole_pass: no core
     to spare per rank), a gradient submitted early only waits in the engine for the last one,
     so the per-gradient nodes bought no overlap and cost a `py_function` call and a
-    submission each (~0.15-0.2 ms apiece on a 2-core host). A custom loop's step on a small
-    MLP (six gradients, 2 ranks on 2 cores) took 4.0-5.3 ms with them and 2.2-2.6 ms without,
-    against 1.2 ms for the plain tape (benchmarks/tf_first_step.py's steady step). A gradient
-    placed on a GPU keeps the per-gradient nodes: its backprop runs on the device, and the
-    host-side transfers overlap it as in DDP."""
+    submission each (~0.15-0.2 ms apiece on a 2-core host). A custom loop's later step on a
+    small MLP (six gradients, 2 ranks on 2 cores; benchmarks/tf_first_step.py, 5 alternating
+    jobs each) took 6.6-7.4 ms with them and 3.2-5.3 ms without, against 1.2-2.4 ms for the
+    plain tape. A gradient whose device at trace time is a GPU keeps the per-gradient nodes:
+    its backprop runs on the device, and the host-side transfers overlap it as in DDP."""
     if not _cops.whole_pass():
         return False
     return not any("GPU" in (getattr(x, "device", "") or "").upper() for x in inputs)

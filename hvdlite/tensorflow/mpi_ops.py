@@ -1,15 +1,17 @@
 """TensorFlow collectives with Horovod's names and signatures (horovod.tensorflow.mpi_ops).
 
 Executing eagerly, a collective hands the tensor's buffer to the op layer (`common/ops.py`;
-DLPack, no copy; see bridge.py) and waits. Inside a graph (`tf.function`, Keras `model.fit`, TF1 graphs) the same Python runs as a
-`tf.py_function` node: TensorFlow calls it each time the graph runs. Inside `tf.function` such nodes
-run in program order (automatic control dependencies chain stateful ops), so every rank submits
-its collectives in the same order; in TF1 graphs hvdlite chains them itself.
+DLPack, no copy; see bridge.py) and waits. Inside a graph (`tf.function`, Keras `model.fit`, TF1
+graphs) the same Python runs as a `tf.py_function` node: TensorFlow calls it each time the graph
+runs. Inside `tf.function` such nodes run in program order (automatic control dependencies
+chain stateful ops), so every rank submits its collectives in the same order; in TF1 graphs
+hvdlite chains them itself.
 
 Names are what the engine matches across ranks. Unnamed eager calls are named by their call site
-(`bridge.wire_name`: the line alone, cached, as a named call is); unnamed graph ops get a per-graph counter at trace time
-("HorovodAllreduce", "HorovodAllreduce_1", ...), which is the same on every rank because every rank traces the same
-code, and stays the same for every run of the graph (so the response cache serves them).
+(`bridge.wire_name`: the line alone, cached, as a named call is); unnamed graph ops get a
+per-graph counter at trace time ("HorovodAllreduce", "HorovodAllreduce_1", ...), which is the same
+on every rank because every rank traces the same code, and stays the same for every run of the
+graph (so the response cache serves them).
 
 XLA cannot call Python: inside `jit_compile=True` every collective raises at trace time, saying so.
 """
