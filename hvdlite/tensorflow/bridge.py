@@ -182,9 +182,10 @@ class wire_name:
     __slots__ = ("_claim", "_value")
 
     def __init__(self, kind: str, name, ignore_name_scope: bool, set_id: int):
-        op = "".join("_" + c.lower() if c.isupper() else c for c in kind).lstrip("_")
-        self._claim = _naming.claimed_site(op, set_id) \
-            if name is None and tf.executing_eagerly() else None
+        self._claim = None
+        if name is None and tf.executing_eagerly():
+            op = "".join("_" + c.lower() if c.isupper() else c for c in kind).lstrip("_")
+            self._claim = _naming.claimed_site(op, set_id)
         claimed = self._claim.__enter__() if self._claim is not None else None
         self._value = (claimed, True) if claimed is not None else \
             _wire_name(kind, name, ignore_name_scope, set_id)

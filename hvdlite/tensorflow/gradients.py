@@ -442,35 +442,24 @@ class _Plan:
 
     def submit_all(self, units, xs) -> list:
         """Hand every unit to the engine at once: what submit() gives for each, in order. The
-        ungrouped dense units go in one call, each its own named collective."""
-        if self.skipped():
-            out, pos = [], 0
-            for unit in units:
-                k = 2 if unit[2] else len(unit[0])
-                out.append((None, list(xs[pos:pos + k])))
-                pos += k
-            return out
-        r = self.reducer
-        out, pos, batch = [], 0, []
+        ungrouped dense units (one gradient each) go as one submit() of all their gradients
+        with no group: one call, each gradient its own named collective."""
+        out, pos, slots, members, batch = [], 0, [], [], []
         for unit in units:
-            members, gname, is_sparse = unit
-            k = 2 if is_sparse else len(members)
+            k = 2 if unit[2] else len(unit[0])
             mine = list(xs[pos:pos + k])
             pos += k
-            if is_sparse or gname is not None:
+            if unit[2] or unit[1] is not None:
                 out.append(self.submit(unit, mine))
             else:
+                slots.append(len(out))
+                members += unit[0]
+                batch += mine
                 out.append(None)
-                batch.append((len(out) - 1, members[0], mine[0]))
-        if batch:
-            names = [f"{self.base}.grad_{i}" for _, i, _ in batch]
-            bufs = [_ops._to_torch(x) for _, _, x in batch]
-            handle = _cops.allreduce(bufs, names=names, op=r.op, prescale=r.prescale,
-                                     postscale=r.postscale, process_set=self.set_id,
-                                     cacheable=self.cacheable,
-                                     outputs=[r.output_like(n, b) for n, b in zip(names, bufs)])
-            for j, (slot, _, x) in enumerate(batch):
-                out[slot] = (_Member(handle, j), [x])
+        if slots:
+            handle, _ = self.submit((members, None, False), batch)
+            for j, slot in enumerate(slots):
+                out[slot] = (None if handle is None else _Member(handle, j), [batch[j]])
         return out
 
     def submit_token(self, unit, xs) -> int:

@@ -17,8 +17,8 @@ from hvdlite.common import basics
 from hvdlite.common.backends import shm
 from hvdlite.common.protocol import PEER_INLINE_FLOATS
 from hvdlite.common.threads import usable_cores
-from ops_common import (check, fail, finish, gen, no_threads_left, same, shape_mismatch,
-                        steady_delta)
+from ops_common import (all_inputs, check, fail, finish, gen, my_rows, no_threads_left, same,
+                        shape_mismatch, steady_delta)
 
 pair = hvd.ProcessSet([0, 1])
 hvd.init(process_sets=[pair])
@@ -198,7 +198,7 @@ def unnamed():
     the reference result; a changed shape from such a line still raises the mismatch error,
     naming the line."""
     def ref(k, shape, tag):
-        return [gen(r, shape, torch.float32, salt=("un", tag, k)) for r in range(size)]
+        return all_inputs(size, shape, torch.float32, salt=("un", tag, k))
 
     def ustep(k):
         step(k, prefix="un")
@@ -216,7 +216,7 @@ def unnamed():
         hvd.broadcast_(y, root_rank=0)
         same(y, c[0], f"unnamed broadcast_, step {k}")
         rs = ref(k, (2 * size, 2), "rs")
-        same(hvd.reducescatter(rs[rank], op=hvd.Sum), sum(rs)[2 * rank:2 * rank + 2],
+        same(hvd.reducescatter(rs[rank], op=hvd.Sum), my_rows(sum(rs), size, rank),
              f"unnamed reducescatter, step {k}")
 
     d = steady_delta(ustep, range(3), range(3, 9))
