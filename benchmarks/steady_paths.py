@@ -8,6 +8,9 @@ with it every collective until the set was steady again. Rounds alternate A B A 
 gives medians and the spread of the per-round ratios.
 - grouped: one blocking `grouped_allreduce_` of 27 small tensors (a model's gradients as one
   group) against the raw transport reducing them one by one;
+- metrics: one blocking `grouped_allreduce` of two one-element metrics (a loss and an
+  accuracy, summed) against the raw transport reducing them one by one: the steady state's
+  round carries both (engine.Engine._carry);
 - barrier: `hvd.barrier()` against the raw transport's barrier;
 - unnamed: a step of ten async gradient allreduces and a blocking loss allreduce without a
   name against the same step with the loss named (the peer: the steady state's own speed);
@@ -40,6 +43,15 @@ def main():
         for t in grads:
             raw.allreduce(t)
 
+    pair = [torch.ones(1), torch.ones(1)]
+
+    def metrics_pair():
+        hvd.grouped_allreduce(pair, name="paths.pair", op=hvd.Sum)
+
+    def raw_pair():
+        for t in pair:
+            raw.allreduce(t)
+
     step_grads = [torch.ones(20000) for _ in range(10)]
     loss = torch.ones(1)
 
@@ -70,6 +82,8 @@ def main():
     rows = {
         "grouped": ("grouped_allreduce_ of 27 tensors (4-18 KiB)", "raw, one by one",
                     alternate(grouped, raw_one_by_one, args.calls, args.rounds)),
+        "metrics": ("grouped_allreduce of 2 metrics", "raw, one by one",
+                    alternate(metrics_pair, raw_pair, args.calls, args.rounds)),
         "barrier": ("hvd.barrier()", f"raw {raw.name} barrier",
                     alternate(hvd.barrier, raw.barrier, args.calls, args.rounds)),
         "unnamed": ("step with an unnamed loss allreduce", "the same step, loss named",

@@ -336,17 +336,23 @@ def test_agreement_rounds(monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_agreement_rounds_carry_a_payload(monkeypatch):
-    """A round both ranks tag with the same bit (its only one, no fallback) carries the tensor:
-    every rank reads the same sum of the payloads. A different tag, a second bit or a fallback
-    flag on either rank leaves the payload unused. Over more rounds than the two parities."""
+    """A round both ranks tag, offering the same bits (one or several) with no fallback, carries
+    their tensors: every rank reads the same sum of the payloads. A different tag, other bits
+    (a count or a set that differs), a tag that is not a rank's lowest bit or a fallback flag
+    on either rank leaves the payload unused. Over more rounds than the two parities."""
     channels = _pair(monkeypatch, 30.0)
     try:
         ags = [c.agreement for c in channels]
+        two, other = 1 << 3 | 1 << 40, 1 << 3 | 1 << 41
         cases = [((3, 3), (1 << 3, 1 << 3), (False, False), 3),       # carried
                  ((3, 5), (1 << 3, 1 << 5), (False, False), -1),      # other tags
                  ((3, -1), (1 << 3, 1 << 3), (False, False), -1),     # one rank did not tag
-                 ((3, 3), (1 << 3, 1 << 3 | 1), (False, False), -1),  # a second bit
+                 ((3, 3), (1 << 3, 1 << 3 | 1), (False, False), -1),  # not rank 1's lowest
                  ((3, 3), (1 << 3, 1 << 3), (False, True), -1),       # a fallback
+                 ((3, 3), (two, two), (False, False), 3),             # two bits, carried
+                 ((3, 3), (two, 1 << 3), (False, False), -1),         # another count
+                 ((3, 3), (two, other), (False, False), -1),          # the same count, other bits
+                 ((3, 3), (two, two), (True, False), -1),             # two bits, a fallback
                  ((7, 7), (1 << 7, 1 << 7), (False, False), 7)]       # carried again
         for k, (tags, bits, falls, carried) in enumerate(cases):
             xs = [torch.arange(20, dtype=torch.float32) * (r + 1) + k for r in range(2)]

@@ -91,8 +91,9 @@ ROUNDS_CHECKS = ["inline", "express", "waiter", "async", "crossed", "large", "la
 def test_steady_rounds_on_mpi():
     """Rounds as one MPI allreduce (steady.TransportRound): caller-driven synchronous calls, a
     late rank (the round waiter), async steps, a changed shape, small float32 tensors carried
-    in their rounds (workers/steady_transport_rounds.py)."""
-    _all_checks(_mpi("steady_transport_rounds.py", 2), ROUNDS_CHECKS + ["payload"])
+    in their rounds, alone and several at once (workers/steady_transport_rounds.py)."""
+    _all_checks(_mpi("steady_transport_rounds.py", 2),
+                ROUNDS_CHECKS + ["payload", "grouped_payload"])
 
 
 @pytest.mark.timeout(180)
@@ -100,7 +101,7 @@ def test_steady_rounds_on_shared_memory():
     """The same checks with rounds through the shared-memory segment (shm.ShmAgreement) and
     small collectives run on the caller's thread (gloo's default path on one host)."""
     _all_checks(Run("steady_transport_rounds.py", 2, env={"HVDLITE_SHM": "1"}, timeout=150),
-                ROUNDS_CHECKS + ["payload"])
+                ROUNDS_CHECKS + ["payload", "grouped_payload"])
 
 
 SOLO_CHECKS = ["solo_hits", "solo_finished_handle", "solo_changed_shape", "solo_many_async",
@@ -151,7 +152,7 @@ def test_one_rank_benchmark_runs():
 @pytest.mark.timeout(120)
 def test_steady_paths_benchmark_runs(tmp_path):
     """benchmarks/steady_paths.py (README's steady-state paths table) runs on 2 gloo ranks and
-    writes its four rows; its timings are not judged here."""
+    writes its five rows; its timings are not judged here."""
     import json
 
     from util import ROOT, hvdlite_run
@@ -159,8 +160,8 @@ def test_steady_paths_benchmark_runs(tmp_path):
     proc = hvdlite_run(ROOT / "benchmarks" / "steady_paths.py", np=2,
                        args=["--rounds", "1", "--calls", "3", "--json", str(out)], timeout=100)
     assert "hvd.barrier()" in proc.stdout, proc.stdout
-    assert set(json.loads(out.read_text())["rows"]) == {"grouped", "barrier", "unnamed",
-                                                           "unnamed_metrics"}
+    assert set(json.loads(out.read_text())["rows"]) == {"grouped", "metrics", "barrier",
+                                                           "unnamed", "unnamed_metrics"}
 
 
 @pytest.mark.timeout(180)

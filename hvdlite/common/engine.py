@@ -39,7 +39,7 @@ from .flight_recorder import RECORDER, dump, dump_async
 from .backends.base import DONE
 from .messages import (ADASUM, ADD_PROCESS_SET, ALLREDUCE, BARRIER, ERROR, JOIN,
                        REMOVE_PROCESS_SET, TYPE_NAMES, Request, Response)
-from .protocol import PEER_INLINE_FLOATS, Item, Msg
+from .protocol import INLINE_FLOATS, PEER_INLINE_FLOATS, Item, Msg
 from .response_cache import RankCache
 from .buckets import BucketPlanner
 from .steady import (STEADY_MSG, RoundWaiter, SteadySet, TransportRound, build_responses,
@@ -367,8 +367,12 @@ class Engine:
         all, and sends them as one bucket (buckets.whole_pass_on_host)."""
         return self.buckets.enabled and self.buckets.cpu_whole_pass
 
-    def enqueue(self, entries: list[Entry]) -> Handle:
-        """Submit tensors; raises at once for misuse that no other rank needs to hear about."""
+    def enqueue(self, entries: list[Entry], blocking: bool = False) -> Handle:
+        """Submit tensors; raises at once for misuse that no other rank needs to hear about.
+        `blocking`: the caller waits for the handle straight away; where it drives its set's
+        round itself (_drive_inline) it polls that round for up to BLOCKING_POLL_S, as the
+        express lane's caller does (_express says why), instead of handing it to the round
+        waiter after the spin window and waking up again when that thread has finished it."""
         handle = Handle(entries)
         with self._lock:
             if self._closed is not None:
@@ -441,7 +445,7 @@ class Engine:
         if direct:
             self._send_entries(entries, tags)
         elif inline is not None:
-            self._drive_inline(inline, go)
+            self._drive_inline(inline, go, blocking)
         elif wake:
             self._wake()
         return handle
@@ -482,7 +486,7 @@ class Engine:
             return None
         return st
 
-    def _drive_inline(self, st: SteadySet, go: list) -> None:
+    def _drive_inline(self, st: SteadySet, go: list, blocking: bool = False) -> None:
         """Run the round of `go` (everything this rank has in flight, _inline_set) and, when it
         completes in time, their collectives on this thread; one entry may take the express
         lane (_express).
@@ -506,7 +510,8 @@ class Engine:
                     elif len(go) == 1 and e.sent_bit >= 0 and self._express_ok(e, comm):
                         self._express(st, e, comm, spin_s)
                     else:
-                        self._steady_kick(st, spin_s)
+                        self._steady_kick(st, max(spin_s, BLOCKING_POLL_S)
+                                          if blocking and spin_s else spin_s)
                     return
             finally:
                 self._drive.release()
@@ -735,8 +740,8 @@ class Engine:
         counters["steady_released"] += 1
         counters["steady_groups"] += 1
         counters["express"] += 1
-        if tag >= 0 and rnd.inline_bit() == bit:
-            self._finish_in_round(st, e, rnd.request.payload())
+        if tag >= 0 and rnd.carried():
+            self._finish_in_round(st, [e], rnd.request.payload())
             return True if detached else None
         resp = build_responses(self.cache, st.set_id, [bit], self.settings.fusion_threshold,
                                not self.settings.disable_group_fusion)[0]
@@ -769,19 +774,28 @@ class Engine:
         self._transport.put((seq, gen, work, resp, None))
         return handle
 
-    def _finish_in_round(self, st: SteadySet, e: Entry, payload) -> None:
-        """Every rank's round carried `e`'s tensor (TransportRound.inline_bit, or the tag of a
-        round over the control connections): `payload` holds the allreduce, so `e` finishes
-        here with no collective launched, on every rank alike. Drive lock held, before the
-        set's next round reuses a transport's payload."""
-        RECORDER.started(e.flight)
-        self.executor.inline_out(payload, e.request, e.output, len(st.ranks))
-        e.result = e.output
-        self.counters["round_payloads"] += 1
-        RECORDER.finished(e.flight)
-        if e.handle is not None:
-            self._pop(st.set_id, [e.request.name])
-            e.handle._complete_one()
+    def _finish_in_round(self, st: SteadySet, entries: list, payload) -> None:
+        """Every rank's round carried the tensors of `entries` (this round's released bits, in
+        ascending order: TransportRound.carried, or the tag of a round over the control
+        connections): `payload` holds their allreduces, one after another, so they finish here
+        with no collective launched, on every rank alike. Drive lock held, before the set's
+        next round reuses a transport's payload."""
+        executor, size, offset = self.executor, len(st.ranks), 0
+        handled = []
+        for e in entries:
+            RECORDER.started(e.flight)
+            executor.inline_out(payload, e.request, e.output, size, offset)
+            offset += e.output.numel()
+            e.result = e.output
+            RECORDER.finished(e.flight)
+            if e.handle is not None:
+                handled.append(e)
+        self.counters["round_payloads"] += len(entries)
+        if handled:
+            self._pop(st.set_id, [e.request.name for e in handled])
+            # (Taken first: a handle's completion clears its entries' links to it.)
+            for handle in [e.handle for e in handled]:
+                handle._complete_one()
 
     def _express_done(self, seq: int, resp: Response, e: Entry, detached: bool):
         self.counters["caller_finished"] += 1
@@ -1223,8 +1237,8 @@ class Engine:
 
         A transport round is polled for up to `spin_s` (a caller driving its own collective),
         then handed to the round waiter; a round over the control connections advances as its
-        messages arrive. A round over the control connections whose one pending tensor is a
-        small float32 allreduce carries it (steady.py, point 2; Executor.inline_array)."""
+        messages arrive. A round whose pending tensors are all small float32 allreduces
+        carries them (_carry)."""
         # Not while a round's responses are being launched: a round started (and finished) from
         # inside would launch its collectives before the rest of the round's, out of order.
         if self._releasing or not st.wants_round():
@@ -1232,14 +1246,7 @@ class Engine:
         if st.gone is not None:                 # a member left: no round can end any more
             self._steady_fail_gone(st, st.gone)
             return
-        tag, payload = -1, None
-        if st.over_peers and len(st.pending) == 1 and not st.fallback:
-            tag, e = next(iter(st.pending.items()))
-            if self._express_ok(e, self.comms.get((st.set_id, "cpu"))):
-                payload = self.executor.inline_array(
-                    e.request, e.tensor, 2 * PEER_INLINE_FLOATS // len(st.ranks))
-            if payload is None:
-                tag = -1
+        tag, payload = self._carry(st)
         rnd = st.start_round(lambda idx, k, step, value: self._peer_send(
             st.ranks[idx], (STEADY_MSG, st.set_id, st.epoch, k, step) + value_to_wire(value)),
             time.monotonic(), tag, payload)
@@ -1259,6 +1266,51 @@ class Engine:
                 self._waiter.watch(st, rnd)
                 return
         self._round_done(st, rnd.result)
+
+    def _carry(self, st: SteadySet) -> tuple[int, Any]:
+        """Put the tensors of the round `st` is about to start in its payload, where the round
+        can carry them all (steady.py, point 2): each pending entry a CPU allreduce of float32
+        by sum or average, into an output, together at most a payload's elements. Returns the
+        round's tag (the lowest bit, or for a round over the control connections the mask of
+        every bit offered) and that round's payload array; (-1, None) where it carries nothing.
+        Drive lock held.
+
+        Why every pending tensor and not one: a grouped call of a few metrics (a loss and an
+        accuracy averaged together), or a few small tensors in flight at once, went through a
+        round and then the data path, with a fusion buffer: a blocking grouped_allreduce of
+        two one-element metrics took 80 us on 2 MPI ranks (50 us carried) against 11-15 us for
+        a lone 4 KiB allreduce, which the round carried already (benchmarks/steady_paths.py).
+        Bits are packed in ascending order, so every rank that offers the same bits lays the
+        same tensors out alike (a bit stands for its signature, shape included), and the
+        agreements carry a round only when every rank tagged the same bits."""
+        pending = st.pending
+        if st.fallback or not pending or not (st.agreement is not None or st.over_peers):
+            return -1, None         # (a one-member set's allreduce is a copy: nothing to carry)
+        comm = self.comms.get((st.set_id, "cpu"))
+        bits = sorted(pending) if len(pending) > 1 else list(pending)
+        cap = INLINE_FLOATS if st.agreement is not None else \
+            2 * PEER_INLINE_FLOATS // len(st.ranks)
+        entries, total = [], 0
+        for bit in bits:
+            e = pending[bit]
+            if not self._express_ok(e, comm):       # (a barrier's entry has no tensor)
+                return -1, None
+            total += e.tensor.numel()
+            if total > cap:
+                return -1, None
+            entries.append(e)
+        payload = st.agreement.payload_for(st.width) if st.agreement is not None else None
+        if payload is None:
+            array = self.executor.inline_array(entries, total)
+            if array is None:
+                return -1, None
+            mask = 0
+            for bit in bits:
+                mask |= 1 << bit
+            return mask, array
+        if not self.executor.inline_pack(payload, entries):
+            return -1, None
+        return bits[0], None
 
     def _round_current(self, st: SteadySet, rnd) -> bool:
         """Whether a transport round still matters (the round waiter drops it otherwise)."""
@@ -1294,24 +1346,19 @@ class Engine:
             st.reported = False
             self._send_coordinator((Msg.STEADY_WAIT, st.set_id, st.epoch, [], 0.0))
         self.counters["steady_released"] += len(released)
-        inline = -1
         if released:
-            # A round every rank tagged (an express caller's, handed on here, or one over the
-            # control connections) carried its one tensor's allreduce: finish it from the
-            # payload, as every other rank does.
+            # A round every rank tagged with the same bits (an express caller's, handed on
+            # here, or any whose tensors _carry packed) carried their allreduces: finish them
+            # from the payload, as every other rank does.
             if rnd.__class__ is TransportRound:
-                inline = rnd.inline_bit()
-            elif len(result) > 2:
-                inline = result[2]
-        if inline >= 0:
-            for i, (bit, e) in enumerate(released):
-                if bit == inline:
-                    del released[i]
+                if rnd.carried():
                     self.counters["steady_groups"] += 1
-                    self._finish_in_round(st, e, rnd.request.payload()
-                                          if rnd.__class__ is TransportRound
-                                          else payload_sum(result[3]))
-                    break
+                    self._finish_in_round(st, [e for _, e in released], rnd.request.payload())
+                    released = []
+            elif len(result) > 2:
+                self.counters["steady_groups"] += 1
+                self._finish_in_round(st, [e for _, e in released], payload_sum(result[3]))
+                released = []
         if released:
             threshold = self.settings.fusion_threshold
             self._releasing = True

@@ -100,9 +100,9 @@ def _state():
     return state
 
 
-def _submit(entries: list, post: Callable[[list], Any] = list) -> Handle:
+def _submit(entries: list, post: Callable[[list], Any] = list, blocking: bool = False) -> Handle:
     state = _state()
-    inner = state.engine.enqueue(entries)
+    inner = state.engine.enqueue(entries, blocking)
     return Handle(inner, post, state.engine.alive)
 
 
@@ -226,10 +226,13 @@ def _contiguous(b: Buffer) -> Buffer:
 # ---------------------------------------------------------------------- collectives
 def allreduce(buffers: Sequence[Buffer], *, names: Names = None, op: int = AVERAGE,
               prescale: float = 1.0, postscale: float = 1.0, process_set=None, group=None,
-              outputs: Optional[Sequence[Buffer]] = None, cacheable: Optional[bool] = None
-              ) -> Handle:
+              outputs: Optional[Sequence[Buffer]] = None, cacheable: Optional[bool] = None,
+              blocking: bool = False) -> Handle:
     """Reduce each buffer over the set; `outputs` (default: new buffers) receive the results.
-    `group` (True or a group name) releases and fuses the buffers together. Result: list."""
+    `group` (True or a group name) releases and fuses the buffers together. Result: list.
+    `blocking`: the caller waits on the handle at once (a synchronous grouped call), so where
+    it runs its set's round itself it may poll it as long as the express lane does
+    (engine.Engine.enqueue); the result is the same either way."""
     buffers = list(buffers)
     check_reduce_op(op, process_set, buffers, "allreduce")
     if not group and cacheable is not False and op in REDUCE_OPS and (
@@ -256,7 +259,7 @@ def allreduce(buffers: Sequence[Buffer], *, names: Names = None, op: int = AVERA
         done = engine.express(entries[0], blocking=False)
         if done is not None:                 # a Finished handle, or the general path's
             return Handle(done, list, engine.alive)
-    return _submit(entries)
+    return _submit(entries, blocking=blocking)
 
 
 def whole_pass() -> bool:

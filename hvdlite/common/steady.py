@@ -54,26 +54,31 @@ The protocol, per process set (every rank of the set runs it; rank 0 is not spec
    peer on the general path cannot tell the difference; any other outcome (a peer without the
    bit, the fallback flag, a round that outlives the spin window) hands the entry, now with a
    handle, to the general path in the state the round left.
-   A transport round can also carry one small allreduce. On MPI (backends/mpi.Agreement) the
-   round is a float32 sum of a flag per bit, the fallback flag, a tag and the tag's square,
-   and a payload of INLINE_FLOATS elements; through shared memory (shm.ShmAgreement) each
-   rank's round area holds a tag word and a payload beside its bits, read by every rank. A
-   caller whose round offers one float32 tensor (sum or average, at most that size) copies it
-   into the payload and tags the round with its bit. When every rank tagged the same bit (the
-   tags say so exactly), the payloads' sum is that tensor's allreduce and every rank finishes
-   it from there, with no data collective: one transport call instead of two
-   (engine.Engine._finish_in_round, from the express lane or from _round_done when the round
-   ended elsewhere). Otherwise the payload is ignored; every rank reads the same tags, so all
-   decide alike.
-   A round over the control connections carries one the same way: a rank whose only pending
-   tensor is such an allreduce, with N x its elements at most 2 x PEER_INLINE_FLOATS
+   A round can also carry the data of the small allreduces it releases. A rank whose round
+   offers only float32 allreduces by sum or average, together at most a payload's elements
+   (engine.Engine._carry: one tensor on the express lane, a grouped call of a few metrics, a
+   few small tensors in flight at once), copies their tensors, prescaled, into the round's
+   payload one after another in ascending bit order and tags the round. When every rank
+   offered the same bits and tagged (the agreements check it exactly), every rank lays the same
+   tensors out alike, since a bit stands for its signature, and the payloads' sum holds each
+   tensor's allreduce at the same offset: every rank finishes them from there, with no data
+   collective (engine.Engine._finish_in_round, from the express lane or from _round_done when
+   the round ended elsewhere). Otherwise the payload is ignored and the bits are released as
+   usual; every rank reads the same tags, so all decide alike. On MPI (backends/mpi.Agreement)
+   the round is a float32 sum of a flag per bit, the fallback flag, a tag (the number of bits
+   offered) and the tag's square, and a payload of INLINE_FLOATS elements; through shared
+   memory (shm.ShmAgreement) each rank's round area holds a tag word and a payload beside its
+   bits, read by every rank.
+   A round over the control connections carries them the same way: a rank whose pending
+   tensors are all such allreduces, with N x their elements at most 2 x PEER_INLINE_FLOATS
    (protocol.py; a step's message carries at most PEER_INLINE_FLOATS of them, the result sent
    to an extra rank all N copies), adds ``(tag, payload)`` to its "K" messages
-   (value_to_wire). Each step of the recursive doubling gathers the payloads when both sides
-   carry the same tag (combine), so every rank ends the round with every rank's payload, adds
-   them in rank order (payload_sum: the same bits as the shared-memory data path, on every
-   rank) and finishes the allreduce from there (engine.Engine._round_done). A step where a side
-   carries another tag, or none, drops the payloads for the rest of the round, on every rank.
+   (value_to_wire), its tag the mask of the bits it offers. Each step of the recursive
+   doubling gathers the payloads when both sides carry the same tag (combine), so every rank
+   ends the round with every rank's payload, adds them in rank order (payload_sum: the same
+   bits as the shared-memory data path, on every rank) and finishes the allreduces from there
+   (engine.Engine._round_done). A step where a side carries another tag, or none, drops the
+   payloads for the rest of the round, on every rank.
    (Where gloo's TCP or MPI moves the data of 3 or more ranks, the transport adds in its own
    order, so a float sum there may differ in the last bit between a round's copy and the
    transport's, as it does between a fused and a lone tensor.) On 2 gloo ranks without shared
@@ -321,13 +326,11 @@ class TransportRound:
             self.poll()
         return self.result
 
-    def inline_bit(self) -> int:
-        """Once the round is over: the bit whose allreduce every rank's payload now holds (each
-        rank tagged it), or -1. The payload stays valid until the set's next round starts."""
-        pos = self.request.inline
-        if pos < 0 or self.slots is None:
-            return pos
-        return self.slots[pos]
+    def carried(self) -> bool:
+        """Once the round is over: whether the agreement's payload now holds the allreduce of
+        every bit this round offered (every rank tagged the same bits). The payload stays
+        valid until the set's next round starts."""
+        return self.request.inline >= 0
 
 
 @dataclass

@@ -329,7 +329,7 @@ def _rt_allreduce(xs, names, op, pre, post, set_id, cacheable, group=None) -> li
                                            postscale=post, process_set=set_id))]
     return _wait_tf(_cops.allreduce([_to_torch(x) for x in xs], names=names, op=op,
                                     prescale=pre, postscale=post, process_set=set_id,
-                                    group=group, cacheable=cacheable))
+                                    group=group, cacheable=cacheable, blocking=True))
 
 
 def _rt_allgather(xs, names, set_id, cacheable, group=None) -> list:

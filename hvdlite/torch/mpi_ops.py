@@ -60,10 +60,10 @@ def _traced(tensors) -> bool:
 
 # ---------------------------------------------------------------------- allreduce
 def _allreduce_async(tensors, outputs, name, op, prescale_factor, postscale_factor,
-                     process_set, grouped: bool):
+                     process_set, grouped: bool, blocking: bool = False):
     handle = _ops.allreduce(tensors, names=name, op=op, prescale=prescale_factor,
                             postscale=postscale_factor, process_set=process_set,
-                            group=grouped or None, outputs=outputs)
+                            group=grouped or None, outputs=outputs, blocking=blocking)
     return _register(handle, list if grouped else _single)
 
 
@@ -169,15 +169,26 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
                             process_set, grouped=True)
 
 
+def _grouped_now(tensors: list, outputs, average, name, op, prescale_factor, postscale_factor,
+                 process_set) -> list:
+    """A synchronous grouped allreduce's results (`outputs` None: new tensors), submitted as a
+    blocking call (ops.allreduce's `blocking`: its caller may poll its own round longer)."""
+    op = handle_average_backwards_compatibility(op, average)
+    if outputs is None:
+        outputs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    return synchronize(_allreduce_async(tensors, outputs, name, op, prescale_factor,
+                                        postscale_factor, process_set, grouped=True,
+                                        blocking=True))
+
+
 class HorovodGroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):
         ctx.average, ctx.op = average, op
         ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
         ctx.process_set = process_set
-        return tuple(synchronize(grouped_allreduce_async(list(tensors), average, name, op,
-                                                         prescale_factor, postscale_factor,
-                                                         process_set)))
+        return tuple(_grouped_now(list(tensors), None, average, name, op, prescale_factor,
+                                  postscale_factor, process_set))
 
     @staticmethod
     def backward(ctx, *grad_output):
@@ -197,9 +208,8 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
             reduced = HorovodGroupedAllreduce.apply(average, name, op, prescale_factor,
                                                     postscale_factor, process_set, *compressed)
         else:
-            reduced = synchronize(grouped_allreduce_async(list(compressed), average, name, op,
-                                                          prescale_factor, postscale_factor,
-                                                          process_set))
+            reduced = _grouped_now(list(compressed), None, average, name, op, prescale_factor,
+                                   postscale_factor, process_set)
     return [compression.decompress(t, c) for t, c in zip(reduced, ctxs)]
 
 
@@ -214,9 +224,11 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                        postscale_factor=1.0, process_set=global_process_set):
+    for t in tensors:
+        _check_inplace(t)
     with _ops.blocking_name("grouped_allreduce", name, process_set) as name:
-        synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                             postscale_factor, process_set))
+        _grouped_now(list(tensors), [t.detach() for t in tensors], average, name, op,
+                     prescale_factor, postscale_factor, process_set)
     return list(tensors)
 
 

@@ -1,9 +1,10 @@
 """backends/mpi.Agreement on one process (MPI's COMM_SELF): how a round encodes and decodes its
-bits, its fallback flag and its payload's tag, the width limit of the payload, and the error
-for a round started before the last one ended; with persistent requests and without. Then
-backends/mpi._Sequence, the chained in-place allreduces of a fused response: it starts only
-when first tested or waited for, runs every call, and stays complete once done. Run as a
-plain process (MPI's singleton start), so the test process itself never initializes MPI."""
+bits, its fallback flag and its payload's tag (one bit or several), the limit on a tagged
+round's bits, and the error for a round started before the last one ended; with persistent
+requests and without. Then backends/mpi._Sequence, the chained in-place allreduces of a fused
+response: it starts only when first tested or waited for, runs every call, and stays complete
+once done. Run as a plain process (MPI's singleton start), so the test process itself never
+initializes MPI."""
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,13 @@ def check(persistent: bool) -> None:
     assert req.value() == (1 << 3, False) and req.inline == 3, (req.value(), req.inline)
     assert torch.equal(ag.payload_for(10)[:3], torch.tensor([1.5, -2.0, 4.0]))
 
-    # Two bits: decoded from the flags, no tag (a tag needs the round's only bit).
+    # Two bits, tagged with the lowest: the payload holds both tensors, one after the other.
+    payload[:5] = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
     req = done(ag.start((1 << 0) | (1 << 9), False, 10, tag=0))
+    assert req.value() == ((1 << 0) | (1 << 9), False) and req.inline == 0, req.value()
+    assert torch.equal(ag.payload_for(10)[:5], torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]))
+    # A tag that is not the round's lowest bit is no tag: decoded from the flags.
+    req = done(ag.start((1 << 0) | (1 << 9), False, 10, tag=9))
     assert req.value() == ((1 << 0) | (1 << 9), False) and req.inline == -1, req.value()
 
     # A round that asks for the fallback carries no payload, even when tagged.
@@ -55,11 +61,17 @@ def check(persistent: bool) -> None:
     req = done(ag.start(bits, False, 200))
     assert req.value() == (bits, False)
 
-    # The tags' sums are exact in float32 only while size * (width + 1) ** 2 < 2 ** 24.
-    assert ag.payload_for(4000) is not None
-    assert ag.payload_for(4096) is None
-    req = done(ag.start(1 << 5, False, 4096, tag=5))      # too wide to tag: plain round
-    assert req.value() == (1 << 5, False) and req.inline == -1
+    # A tag is the number of bits offered, and the tags' sums are exact in float32 only while
+    # size * bits ** 2 < 2 ** 24: any width may tag a round of one bit, and a round of more
+    # bits than that bound is a plain round (4095 on one rank).
+    assert ag._max_tagged == 4095
+    req = done(ag.start(1 << 4000, False, 4096, tag=4000))
+    assert req.value() == (1 << 4000, False) and req.inline == 4000
+    every = (1 << 4096) - 1
+    req = done(ag.start(every, False, 4096, tag=0))       # 4096 bits: too many to tag
+    assert req.value() == (every, False) and req.inline == -1
+    req = done(ag.start(every >> 1, False, 4096, tag=0))  # 4095: tagged
+    assert req.value() == (every >> 1, False) and req.inline == 0
 
     # A persistent round cannot start again before the last one was seen to end.
     if persistent and ag._round is not None:

@@ -340,13 +340,59 @@ def payloads():
         if not reads:
             fail(f"no waiting caller read its round over the control connections: {d}")
 
+    # Several tensors at once: a grouped call of small float32 allreduces, and a step's
+    # tensors submitted in one call, ride in their round together (engine.Engine._carry), in
+    # place and scaled too; a group one element over what a round carries goes the usual way.
+    from hvdlite.torch.mpi_ops import _allreduce_batch_async
+    over = [(most - 3,), (4,)]
+    # (An average postscaled by the set's size: exact, as 1/3 is not.)
+    groups = [("plg.metrics", [(), (2,), (3, 3)],
+               {"op": hvd.Average, "postscale_factor": float(size)}, True),
+              ("plg.scaled", [(5,), (7,)],
+               {"op": hvd.Sum, "prescale_factor": 0.5, "postscale_factor": 3.0}, True),
+              ("plg.over", over, {"op": hvd.Sum}, False)]
+
+    def ref_of(name, i, shape, kw, k):
+        xs = [gen(r, shape, torch.float32, salt=(name, i, k)) for r in range(size)]
+        total = sum(x * kw.get("prescale_factor", 1.0) for x in xs)
+        total = total * kw.get("postscale_factor", 1.0)
+        return total / size if kw["op"] == hvd.Average else total
+
+    def grouped_run(k: int) -> None:
+        for name, shapes, kw, _ in groups:
+            xs = [gen(rank, sh, torch.float32, salt=(name, i, k)) for i, sh in enumerate(shapes)]
+            for i, got in enumerate(hvd.grouped_allreduce(xs, name=name, **kw)):
+                same(got, ref_of(name, i, shapes[i], kw, k), f"{name} member {i} step {k}")
+            ys = [x.clone() for x in xs]
+            hvd.grouped_allreduce_(ys, name=name + "_", **kw)
+            for i, got in enumerate(ys):
+                same(got, ref_of(name, i, shapes[i], kw, k), f"{name}_ member {i} step {k}")
+        xs = [gen(rank, (6,), torch.float32, salt=("plb", i, k)) for i in range(3)]
+        hs = _allreduce_batch_async(xs, [f"plb.{i}" for i in range(3)], hvd.Sum, 1.0, 1.0,
+                                    hvd.global_process_set)
+        for i, h in enumerate(hs):
+            same(hvd.synchronize(h),
+                 sum(gen(r, (6,), torch.float32, salt=("plb", i, k)) for r in range(size)),
+                 f"batch {i} step {k}")
+
+    d = steady_delta(grouped_run, range(3), range(3, 9))
+    if d["coordinator_messages"]:
+        fail(f"steady grouped steps sent {d['coordinator_messages']} messages to the "
+             f"coordinator: {d}")
+    if basics._state.engine.comms[(0, "cpu")].agreement is None:
+        want = 6 * (2 * sum(len(shapes) for _, shapes, _, carried in groups if carried) + 3)
+        if d["round_payloads"] != want:
+            fail(f"{d['round_payloads']} grouped and batched allreduces carried by rounds over "
+                 f"the control connections, expected {want}: {d}")
+
     # The same bits whether a round carried the tensor or the data path reduced it: a round adds
     # the ranks' copies in rank order, as the shared-memory path adds its slots. Fractional
-    # inputs, so the order of the additions shows in the last bits.
+    # inputs, so the order of the additions shows in the last bits. (The pair's second member
+    # is more than a round carries, so the pair goes through the data path.)
     compared = shm_steps = 0
     for k in range(3):
         g = torch.Generator().manual_seed(50 + 7 * rank + k)
-        x, y = torch.randn(300, generator=g), torch.randn(7, generator=g)
+        x, y = torch.randn(300, generator=g), torch.randn(most, generator=g)
         before = counters()
         alone = hvd.allreduce(x, name="pl.det", op=hvd.Sum)
         carried = counters()["round_payloads"] - before["round_payloads"]

@@ -41,7 +41,11 @@ shared memory the collective runs there too, ShmChannel._submit). Checks:
   tensor that fills the payload exactly finish with no data collective; one element more,
   float64, int32 and max go the two-call way; an asynchronous call whose caller drives its
   round carries it too. The waiter and compacted checks also count rounds that carried the
-  tensor (a round finished by the waiter thread, and one whose bits are slots).
+  tensor (a round finished by the waiter thread, and one whose bits are slots);
+- grouped_payload: a round carries all the small float32 allreduces it releases (a grouped
+  call, in place and scaled, a step's tensors submitted in one call), not one only; a group
+  over the payload, with a float64 member or reduced by max goes the usual way; ranks whose
+  round offers differ carry nothing in it and reduce every tensor right.
 """
 from __future__ import annotations
 
@@ -433,6 +437,101 @@ def payload():
         fail(f"no asynchronous call's round carried its tensor: {d}")
 
 
+def grouped_payload():
+    """A round carries every tensor it releases when they are all small float32 allreduces by
+    sum or average (engine.Engine._carry): a blocking grouped allreduce of a few metrics (a 0-d
+    one among them), in place and pre- and postscaled, one that fills the payload exactly, and
+    a step's tensors submitted in one call finish with no data collective, each member equal
+    to the reference. A group one element over the payload, one with a float64 member and one
+    reduced by max go the usual way. Ranks that offer different tensors in one round (the
+    same bits in other calls and orders, as a busy rank would) carry nothing in it and still
+    reduce every tensor right, in the steady state."""
+    from hvdlite.common.protocol import INLINE_FLOATS
+    from hvdlite.torch.mpi_ops import _allreduce_batch_async
+    f32, f64 = torch.float32, torch.float64
+    steps = range(200, 210)
+    cases = [  # name, shapes, dtypes, keyword arguments, how submitted, carried
+        ("g.metrics", [(), (1,), (3,)], [f32] * 3, {}, "grouped", True),
+        ("g.scaled", [(4, 4), (7,)], [f32] * 2,
+         {"op": hvd.Sum, "prescale_factor": 0.5, "postscale_factor": 3.0}, "grouped_", True),
+        ("g.full", [(INLINE_FLOATS - 10,), (10,)], [f32] * 2, {"op": hvd.Sum}, "grouped", True),
+        ("g.batch", [(5,), (2, 3), (1,)], [f32] * 3, {"op": hvd.Sum}, "batch", True),
+        ("g.over", [(INLINE_FLOATS - 10,), (11,)], [f32] * 2, {"op": hvd.Sum}, "grouped",
+         False),
+        ("g.f64", [(3,), (3,)], [f32, f64], {"op": hvd.Sum}, "grouped", False),
+        ("g.max", [(3,), (3,)], [f32] * 2, {"op": hvd.Max}, "grouped", False),
+    ]
+
+    def want(name, i, shape, dtype, kw, k):
+        xs = [gen(r, shape, dtype, salt=(name, i, k)) for r in range(size)]
+        if kw.get("op") == hvd.Max:
+            return torch.stack(xs).max(0).values
+        total = sum(x * kw.get("prescale_factor", 1.0) for x in xs)
+        if "op" not in kw:
+            return total / size
+        return (total * kw.get("postscale_factor", 1.0)).to(dtype)
+
+    for name, shapes, dtypes, kw, how, carried in cases:
+        members = list(zip(shapes, dtypes))
+        inputs = {k: [gen(rank, sh, dt, salt=(name, i, k)) for i, (sh, dt) in enumerate(members)]
+                  for k in steps}
+        got = {}
+
+        def step(k: int) -> None:
+            xs = inputs[k]
+            if how == "grouped":
+                got[k] = hvd.grouped_allreduce(xs, name=name, **kw)
+            elif how == "grouped_":
+                ys = [x.clone() for x in xs]
+                hvd.grouped_allreduce_(ys, name=name, **kw)
+                got[k] = ys
+            else:
+                hs = _allreduce_batch_async([x.clone() for x in xs],
+                                            [f"{name}.{i}" for i in range(len(xs))],
+                                            kw["op"], 1.0, 1.0, hvd.global_process_set)
+                got[k] = [hvd.synchronize(h) for h in hs]
+
+        with long_spin():
+            d = steady_delta(step, steps[:3], steps[3:])
+        for k in steps:
+            for i, (sh, dt) in enumerate(members):
+                same(got[k][i], want(name, i, sh, dt, kw, k), f"{name} step {k} member {i}")
+        n = (len(steps) - 3) * len(members)
+        if d["steady_released"] != n or d["coordinator_messages"] or d["peer_messages"]:
+            fail(f"{name}: left the steady state: {d}")
+        if carried and d["round_payloads"] != n:
+            fail(f"{name}: expected its {n} allreduces carried by their rounds: {d}")
+        if not carried and d["round_payloads"]:
+            fail(f"{name}: a round carried a tensor it may not: {d}")
+
+    # Different offers in one round. Rank 0 submits A and B in one call, then C; rank 1 A and
+    # C, then B (the same count, other bits), or rank 1 A alone, then B and C (another count).
+    # However the rounds fall, each tensor is reduced once, right, with no fallback.
+    names = ["g.cA", "g.cB", "g.cC"]
+
+    def crossed_step(k: int) -> None:
+        xs = {nm: gen(rank, (4,), f32, salt=(nm, k)) for nm in names}
+        if rank == 0:
+            order = [["g.cA", "g.cB"], ["g.cC"]]
+        elif k % 2:
+            order = [["g.cA", "g.cC"], ["g.cB"]]
+        else:
+            order = [["g.cA"], ["g.cB", "g.cC"]]
+        handles = {}
+        for batch_names in order:
+            hs = _allreduce_batch_async([xs[nm].clone() for nm in batch_names], batch_names,
+                                        hvd.Sum, 1.0, 1.0, hvd.global_process_set)
+            handles.update(zip(batch_names, hs))
+            time.sleep(0.002)      # let the first call's round start with only its tensors
+        for nm in names:
+            same(hvd.synchronize(handles[nm]),
+                 sum(gen(r, (4,), f32, salt=(nm, k)) for r in range(size)), f"{nm} step {k}")
+
+    d = steady_delta(crossed_step, range(3), range(3, 13))
+    if d["steady_released"] != 30 or d["coordinator_messages"] or d["steady_fallbacks"]:
+        fail(f"crossed offers left the steady state: {d}")
+
+
 def reuse():
     """One name, its allreduce's signature changed (op, scale factors, shape, dtype) right after
     the set became steady on the plain call, through each way a named allreduce is submitted:
@@ -502,6 +601,7 @@ check("compacted", compacted)
 check("reuse", reuse)
 if payloads:
     check("payload", payload)
+    check("grouped_payload", grouped_payload)
 # (After compacted: these names would add cache bits to the set it counts.)
 check("late_peer", late_peer)
 check("busy_engine", busy_engine)

@@ -6,6 +6,7 @@ for them, so MPI must run with MPI_THREAD_MULTIPLE (mpi4py asks for it by defaul
 """
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -17,6 +18,7 @@ from .. import config
 from ..threads import local_ranks as _local_ranks, usable_cores
 from ..messages import MAX, MIN, PRODUCT, SUM
 from ..protocol import INLINE_FLOATS
+from ..steady import set_bits
 from . import shm
 
 # mpi4py.MPI, loaded by `_load()` on first need. Importing it initializes MPI, which a gloo job
@@ -203,7 +205,7 @@ def _free(comm) -> None:
 
 class Agreement:
     """The steady state's rounds (steady.py) as one small MPI allreduce each, which can also
-    carry one small float32 allreduce's data (the round's payload).
+    carry the data of the small float32 allreduces it releases (the round's payload).
 
     Why a round on MPI: a round only combines every rank's (ready bits, fallback flag). Over the
     control connections that costs a message each way between Python threads (~100 us on 2
@@ -215,19 +217,24 @@ class Agreement:
 
     Why a payload: a blocking allreduce of a small cached tensor (the express lane,
     engine.Engine._express) cost a round and then the data collective, two MPI calls and the
-    Python around each. A caller whose round offers exactly one bit (its one tensor, float32,
-    at most INLINE_FLOATS elements, reduced by sum or average) puts the tensor in the payload
-    and tags the round with that bit. When every rank of the set tagged the same bit, the
-    payload's sum is the tensor's allreduce, and every rank takes it from there instead of
-    launching the collective; otherwise the payload is ignored and the bit is released as
-    before. Every rank sees the same sums, so every rank decides alike.
+    Python around each; so did a grouped call of a few metrics, which also paid for a fusion
+    buffer. A rank whose round offers only small float32 allreduces (sum or average, at most
+    INLINE_FLOATS elements together) puts their tensors in the payload, one after another in
+    ascending bit order, and tags the round. When every rank of the set offered the same bits
+    and tagged, the payload's sum holds each tensor's allreduce at the same offset on every
+    rank, and every rank takes them from there instead of launching a collective; otherwise
+    the payload is ignored and the bits are released as before. Every rank sees the same
+    sums, so every rank decides alike.
 
     The round is one float32 SUM over ``[flag per bit (width), fallback, tag, tag**2, payload]``:
     a bit is common when its flags sum to the set's size (an AND), the fallback is asked when
-    its sum is above 0 (an OR), and every rank tagged the same bit p when the tags sum to
-    size*(p+1) and their squares to size*(p+1)**2 (equality holds only when all are equal).
-    Those sums are exact integers in float32 while size*(width+1)**2 < 2**24; a wider set
-    never tags (`inline_ok`).
+    its sum is above 0 (an OR). A tagging rank's tag is the number c of bits it offers, and
+    every rank tagged c when the tags sum to size*c and their squares to size*c**2 (equality
+    holds only when all are equal; an untagged rank adds 0). The payload is then carried when
+    each of this rank's c bits is common: every rank has those c bits and offers c, so every
+    rank offers exactly them and finds its own bits common too (and where one rank does not,
+    by the same argument no rank does). The sums are exact integers in float32 while
+    size*c**2 < 2**24; a round of more bits than that never tags (`_max_tagged`).
     """
 
     def __init__(self, comm):
@@ -235,7 +242,8 @@ class Agreement:
         self.comm = comm.Dup()
         self.size = comm.Get_size()
         self.width = -1
-        self.inline_ok = False
+        # The most bits a tagged round may offer, so that its tags' sums stay exact.
+        self._max_tagged = math.isqrt(((1 << 24) - 1) // max(self.size, 1))
         # Where MPI has persistent collectives (MPI 4: MPICH 4, Open MPI 5), a round restarts
         # one request built for its buffer: Start() skips the argument handling of a new
         # Iallreduce, ~1 us of a ~3 us round here. Every rank decides alike (one MPI library
@@ -257,7 +265,6 @@ class Agreement:
         self._zero = bytes(4 * self.head)
         # Where a tagged round's tensor goes, and its result comes back (a view: no copy).
         self.payload = torch.from_numpy(self._buf[self.head:])
-        self.inline_ok = self.size * (width + 1) ** 2 < 1 << 24
         if self._persistent:
             try:
                 self._round = self.comm.Allreduce_init(MPI.IN_PLACE, self._buf, MPI.SUM)
@@ -276,19 +283,21 @@ class Agreement:
                 pass
         self._round = None
 
-    def payload_for(self, width: int) -> torch.Tensor | None:
-        """The payload of a round of `width` bits, or None where such a round carries none."""
+    def payload_for(self, width: int) -> torch.Tensor:
+        """Where the tensors of a tagged round of `width` bits go (the payload)."""
         if width != self.width:
             self._layout(width)
-        return self.payload if self.inline_ok else None
+        return self.payload
 
     def start(self, bits: int, fallback: bool, width: int, tag: int = -1) -> "AgreementRequest":
-        """Start a round offering `bits`; `tag` >= 0: the payload holds the tensor of that bit,
-        the round's only one (the caller wrote it to `payload` first)."""
+        """Start a round offering `bits`; `tag` >= 0, the lowest of `bits`: the payload holds
+        the tensors of every bit offered, in ascending bit order (the caller wrote them to
+        `payload` first)."""
         if width != self.width:
             self._layout(width)
         f = self._f
         self._bytes[:4 * self.head] = self._zero
+        count = 1
         if bits & (bits - 1) == 0:              # none, or one bit: the express lane's round
             if bits:
                 f[bits.bit_length() - 1] = 1.0
@@ -297,17 +306,19 @@ class Agreement:
             self._buf[:width] = np.unpackbits(
                 np.frombuffer(bits.to_bytes(nbytes, "little"), dtype=np.uint8),
                 bitorder="little")[:width]
+            count = bits.bit_count()
         head = self.head
         if fallback:
             f[head - 3] = 1.0
-        if tag >= 0 and self.inline_ok and bits == 1 << tag and not fallback:
-            f[head - 2] = tag + 1.0
-            f[head - 1] = (tag + 1.0) ** 2
+        if tag >= 0 and not fallback and bits & -bits == 1 << tag \
+                and count <= self._max_tagged:
+            f[head - 2] = float(count)
+            f[head - 1] = float(count * count)
         else:
             tag = -1
         if self._round is None:
             return AgreementRequest(self.comm.Iallreduce(MPI.IN_PLACE, self._buf, MPI.SUM),
-                                    self, tag)
+                                    self, tag, bits, count)
         if self._busy:
             # The last round never ended (abandoned when a member left or the set went away):
             # its request cannot start again, and no later round could pair up anyway.
@@ -316,7 +327,7 @@ class Agreement:
                                "pair up across ranks")
         self._busy = True
         self._round.Start()
-        return AgreementRequest(self._round, self, tag)
+        return AgreementRequest(self._round, self, tag, bits, count)
 
     def close(self) -> None:
         self._free_round()
@@ -326,12 +337,14 @@ class Agreement:
 
 class AgreementRequest:
     """One round in flight: `test()` polls (one thread at a time), `value()` decodes it, and
-    `inline` is then the bit whose allreduce the payload holds on every rank (else -1)."""
+    `inline` is then the lowest bit of a round whose payload holds the allreduce of every bit
+    it offered, on every rank (else -1)."""
 
-    __slots__ = ("req", "agreement", "tag", "inline")
+    __slots__ = ("req", "agreement", "tag", "inline", "bits", "count")
 
-    def __init__(self, req, agreement: Agreement, tag: int):
+    def __init__(self, req, agreement: Agreement, tag: int, bits: int = 0, count: int = 1):
         self.req, self.agreement, self.tag, self.inline = req, agreement, tag, -1
+        self.bits, self.count = bits, count
 
     def test(self) -> bool:
         if self.req.Test():
@@ -343,18 +356,21 @@ class AgreementRequest:
         ag = self.agreement
         f, head, n, tag = ag._f, ag.head, ag.size, self.tag
         if tag >= 0:
-            t = tag + 1
-            if f[head - 2] == n * t and f[head - 1] == n * t * t and f[head - 3] == 0:
-                # Every rank tagged this bit, its only one, and none asked for the fallback (a
-                # rank that asks for it never tags). The test depends only on the sums and the
-                # tag every rank shares, so every rank takes this branch, or none does.
-                self.inline = tag
-                return 1 << tag, False
+            c = self.count
+            if f[head - 2] == n * c and f[head - 1] == n * c * c and f[head - 3] == 0:
+                # Every rank tagged a round of c bits, and none asked for the fallback (a rank
+                # that asks for it never tags). When this rank's c bits are all common, every
+                # rank offered exactly them (the class docstring of Agreement): the test
+                # depends only on sums every rank shares, so every rank carries, or none does.
+                bits = self.bits
+                if f[tag] == n and (c == 1 or all(f[b] == n for b in set_bits(bits))):
+                    self.inline = tag
+                    return bits, False
         common = np.packbits(ag._buf[:ag.width] == n, bitorder="little").tobytes()
         return int.from_bytes(common, "little"), f[head - 3] > 0
 
     def payload(self) -> torch.Tensor:
-        """The carried allreduce (once `inline` >= 0): MPI summed it in place."""
+        """The carried allreduces (once `inline` >= 0): MPI summed them in place."""
         return self.agreement.payload
 
 

@@ -228,13 +228,16 @@ class ShmAgreement:
     reading round k. One thread at a time starts and tests rounds (the engine's contract for
     TransportRound).
 
-    The payload carries one small allreduce, as MPI's rounds do (backends/mpi.Agreement says
-    why): a caller whose round offers one float32 tensor writes it to its payload and tags the
-    round with that bit (tag word = bit + 1). When every rank's tag names the same bit and no
-    rank asked for the fallback, every rank sums the ranks' payloads in rank order (so the
-    bits agree everywhere) and the round was the whole allreduce. The payloads of round k stay
-    readable until round k + 2 starts, which needs every rank to have started k + 1: the
-    engine finishes a carried tensor before it starts the set's next round.
+    The payload carries the small allreduces a round releases, as MPI's rounds do
+    (backends/mpi.Agreement says why): a rank whose round offers only small float32 tensors
+    writes them to its payload, one after another in ascending bit order, and tags the round
+    (tag word = the number of bits offered << 32 | the lowest bit + 1). When every rank's tag
+    word is the same, its bit words too (compared only for more than one bit: one bit is
+    its tag), and no rank asked for the fallback, every rank sums the ranks' payloads in rank
+    order (so the bits agree everywhere) and the round was the whole allreduce of each tensor.
+    The payloads of round k stay readable until round k + 2 starts, which needs every rank to
+    have started k + 1: the engine finishes carried tensors before it starts the set's next
+    round.
     """
 
     max_width = AGREE_BITS
@@ -262,8 +265,8 @@ class ShmAgreement:
 
     def start(self, bits: int, fallback: bool, width: int,
               tag: int = -1) -> "ShmAgreementRequest":
-        """Start a round offering `bits`; `tag` >= 0: this rank's payload (payload_for) holds
-        the tensor of that bit, the round's only one."""
+        """Start a round offering `bits`; `tag` >= 0, the lowest of `bits`: this rank's payload
+        (payload_for) holds the tensors of every bit offered, in ascending bit order."""
         if width > AGREE_BITS:
             raise ValueError(f"a round of {width} bits exceeds the agreement's {AGREE_BITS}")
         n = (max(width, 1) + 63) // 64
@@ -272,9 +275,11 @@ class ShmAgreement:
         mv[base] = 1 if fallback else 0
         for j in range(n):
             mv[base + 1 + j] = (bits >> (64 * j)) & _WORD
-        if tag < 0 or fallback or bits != 1 << tag:
+        if tag < 0 or fallback or bits & -bits != 1 << tag:
             tag = -1
-        mv[base + _AGREE_WORDS] = tag + 1
+            mv[base + _AGREE_WORDS] = 0
+        else:
+            mv[base + _AGREE_WORDS] = bits.bit_count() << 32 | tag + 1
         mv[self._ctrs[self._rank]] = k         # after the words (see the class docstring)
         return ShmAgreementRequest(self, k, n, tag)
 
@@ -303,15 +308,23 @@ class ShmAgreementRequest:
         ag, n = self.agreement, self.n
         mv, off = ag._mv, (self.k & 1) * _PARITY_WORDS
         if self.tag >= 0:
-            t = self.tag + 1
+            mine = ag._words[ag._rank] + off
+            t = mv[mine + _AGREE_WORDS]
+            several = t >> 32 > 1
             for base in ag._words:
                 if mv[base + off + _AGREE_WORDS] != t or mv[base + off] != 0:
                     break
+                if several and base + off != mine and any(
+                        mv[base + off + 1 + j] != mv[mine + 1 + j] for j in range(n)):
+                    break
             else:
-                # Every rank tagged this bit, its only one, with no fallback: the same test
-                # on every rank, over the same words.
+                # Every rank tagged the same bits, with no fallback: the same test on every
+                # rank, over the same words.
                 self.inline = self.tag
-                return 1 << self.tag, False
+                bits = 0
+                for j in range(n):
+                    bits |= mv[mine + 1 + j] << (64 * j)
+                return bits, False
         bits, fallback = 0, False
         for j in range(n):
             word = _WORD
@@ -323,8 +336,8 @@ class ShmAgreementRequest:
         return bits, fallback
 
     def payload(self) -> torch.Tensor:
-        """The carried allreduce (once `inline` >= 0): the ranks' payloads summed in rank order,
-        the same bits on every rank."""
+        """The carried allreduces (once `inline` >= 0): the ranks' payloads summed in rank
+        order, the same bits on every rank."""
         ag, p = self.agreement, self.k & 1
         return reduce_in_order(torch.add, [ag._payloads[r][p] for r in range(len(ag._words))],
                                ag._sum)
