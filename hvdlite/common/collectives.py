@@ -245,6 +245,12 @@ class _InOrder:
 IN_ORDER = _InOrder()
 
 
+def _out_factor(req, size: int) -> float:
+    """What a finished allreduce's (or reducescatter's) sum is multiplied by: its postscale,
+    and 1/size for an average; `req`: a Request or a Response."""
+    return req.postscale / size if req.reduce_op == AVERAGE else req.postscale
+
+
 class Executor:
     """Runs responses for one rank; holds the fusion buffer and the timeline."""
 
@@ -315,11 +321,11 @@ class Executor:
 
     @staticmethod
     def inline_out(payload: torch.Tensor, req, out: torch.Tensor, size: int,
-                   offset: int = 0) -> None:
+                   offset: int = 0, scaled: bool = False) -> None:
         """A round's payload holds the sum of every rank's `inline_in`: finish the allreduce
         into `out` from element `offset` as allreduce() would (postscale, and 1/size for an
-        average). `payload`: a tensor, or the float32 array a round over the control
-        connections summed."""
+        average; `scaled`: the payload is scaled already, inline_out_all). `payload`: a
+        tensor, or the float32 array a round over the control connections summed."""
         if isinstance(payload, np.ndarray):
             payload = torch.from_numpy(payload)
         n = out.numel()
@@ -327,12 +333,36 @@ class Executor:
             ctypes.memmove(out.data_ptr(), payload.data_ptr() + 4 * offset, 4 * n)
         else:
             out.copy_(payload[offset:offset + n].view(out.shape))
-        scale_(out, req.postscale / size if req.reduce_op == AVERAGE else req.postscale)
+        if not scaled:
+            scale_(out, _out_factor(req, size))
+
+    @staticmethod
+    def inline_out_all(payload, entries: list, size: int) -> None:
+        """Finish every entry's allreduce from a carried round's payload, where their tensors
+        lie one after another (inline_out). Where they share one scale factor (a grouped call:
+        the same op and postscale), the payload is scaled once, in place, and the outputs are
+        only copied: scaling a one-element output cost ~2 us here, a quarter of finishing a
+        grouped call of two metrics. The same multiplication of the same floats either way,
+        so the same bits."""
+        factor = _out_factor(entries[0].request, size)
+        shared = len(entries) > 1 and all(_out_factor(e.request, size) == factor
+                                          for e in entries)
+        if shared and factor != 1.0:
+            # Through NumPy, as scale_ multiplies a small CPU tensor (the same float32 product);
+            # the payload is the round's own buffer, so no version counter to bump.
+            array = payload if isinstance(payload, np.ndarray) else payload.numpy()
+            array[:sum(e.output.numel() for e in entries)] *= factor
+        if isinstance(payload, np.ndarray):
+            payload = torch.from_numpy(payload)
+        offset = 0
+        for e in entries:
+            Executor.inline_out(payload, e.request, e.output, size, offset, shared)
+            offset += e.output.numel()
 
     def allreduce(self, comm, resp: Response, inputs: list, outputs: list) -> None:
         dtype = DTYPES[resp.dtype]
         op = SUM if resp.reduce_op == AVERAGE else resp.reduce_op
-        post = resp.postscale / comm.size if resp.reduce_op == AVERAGE else resp.postscale
+        post = _out_factor(resp, comm.size)
         names = resp.names
         if comm.size == 1 and all(o is not None and _on(comm, o) for o in outputs):
             # One rank: a reduction of one value is that value. Fusing would copy every tensor
@@ -539,7 +569,7 @@ class Executor:
         dtype = DTYPES[resp.dtype]
         size = comm.size
         op = SUM if resp.reduce_op == AVERAGE else resp.reduce_op
-        post = resp.postscale / size if resp.reduce_op == AVERAGE else resp.postscale
+        post = _out_factor(resp, size)
         rows = [self.split_rows(s[0], size) if s else [0] * size for s in resp.shapes]
         row_elems = [math.prod(s[1:]) for s in resp.shapes]
         seg = [sum(rows[t][r] * row_elems[t] for t in range(len(inputs))) for r in range(size)]

@@ -60,10 +60,10 @@ def _traced(tensors) -> bool:
 
 # ---------------------------------------------------------------------- allreduce
 def _allreduce_async(tensors, outputs, name, op, prescale_factor, postscale_factor,
-                     process_set, grouped: bool, blocking: bool = False):
+                     process_set, grouped: bool):
     handle = _ops.allreduce(tensors, names=name, op=op, prescale=prescale_factor,
                             postscale=postscale_factor, process_set=process_set,
-                            group=grouped or None, outputs=outputs, blocking=blocking)
+                            group=grouped or None, outputs=outputs)
     return _register(handle, list if grouped else _single)
 
 
@@ -172,13 +172,15 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 def _grouped_now(tensors: list, outputs, average, name, op, prescale_factor, postscale_factor,
                  process_set) -> list:
     """A synchronous grouped allreduce's results (`outputs` None: new tensors), submitted as a
-    blocking call (ops.allreduce's `blocking`: its caller may poll its own round longer)."""
+    blocking call (ops.allreduce's `blocking`: small ones may run start to end on this
+    thread) and waited for on the op layer's handle: no integer handle to register and pop,
+    as the caller never sees one."""
     op = handle_average_backwards_compatibility(op, average)
     if outputs is None:
         outputs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-    return synchronize(_allreduce_async(tensors, outputs, name, op, prescale_factor,
-                                        postscale_factor, process_set, grouped=True,
-                                        blocking=True))
+    return _ops.allreduce(tensors, names=name, op=op, prescale=prescale_factor,
+                          postscale=postscale_factor, process_set=process_set, group=True,
+                          outputs=outputs, blocking=True).wait()
 
 
 class HorovodGroupedAllreduce(torch.autograd.Function):

@@ -43,9 +43,12 @@ shared memory the collective runs there too, ShmChannel._submit). Checks:
   round carries it too. The waiter and compacted checks also count rounds that carried the
   tensor (a round finished by the waiter thread, and one whose bits are slots);
 - grouped_payload: a round carries all the small float32 allreduces it releases (a grouped
-  call, in place and scaled, a step's tensors submitted in one call), not one only; a group
-  over the payload, with a float64 member or reduced by max goes the usual way; ranks whose
-  round offers differ carry nothing in it and reduce every tensor right.
+  call, in place and scaled, a step's tensors submitted in one call), not one only, and a
+  blocking grouped call it carries takes the express lane (engine.Engine.express_many); a
+  group over the payload, with a float64 member or reduced by max goes the usual way; ranks
+  whose round offers differ carry nothing in it and reduce every tensor right, and so does a
+  grouped call that the lane hands to the general path (a rank with another tensor in
+  flight, a peer later than the lane's polling window).
 """
 from __future__ import annotations
 
@@ -57,8 +60,8 @@ import torch
 
 import hvdlite.torch as hvd
 from hvdlite.common import basics, engine
-from ops_common import (check, fail, finish, gen, no_threads_left, same, shape_mismatch,
-                        steady_delta)
+from ops_common import (check, fail, finish, gen, no_threads_left, reduce_ref, same,
+                        shape_mismatch, steady_delta)
 
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
@@ -463,13 +466,9 @@ def grouped_payload():
     ]
 
     def want(name, i, shape, dtype, kw, k):
-        xs = [gen(r, shape, dtype, salt=(name, i, k)) for r in range(size)]
-        if kw.get("op") == hvd.Max:
-            return torch.stack(xs).max(0).values
-        total = sum(x * kw.get("prescale_factor", 1.0) for x in xs)
-        if "op" not in kw:
-            return total / size
-        return (total * kw.get("postscale_factor", 1.0)).to(dtype)
+        return reduce_ref([gen(r, shape, dtype, salt=(name, i, k)) for r in range(size)],
+                          kw.get("op", hvd.Average), kw.get("prescale_factor", 1.0),
+                          kw.get("postscale_factor", 1.0))
 
     for name, shapes, dtypes, kw, how, carried in cases:
         members = list(zip(shapes, dtypes))
@@ -503,6 +502,13 @@ def grouped_payload():
             fail(f"{name}: expected its {n} allreduces carried by their rounds: {d}")
         if not carried and d["round_payloads"]:
             fail(f"{name}: a round carried a tensor it may not: {d}")
+        # A blocking grouped call its round carries runs start to end on the caller's thread
+        # (engine.Engine.express_many); one it cannot carry, and a batch, never take that lane.
+        calls = len(steps) - 3
+        if carried and how != "batch" and d["express"] < calls - 2:
+            fail(f"{name}: expected its {calls} calls on the express lane: {d}")
+        if (not carried or how == "batch") and d["express"]:
+            fail(f"{name}: took the express lane: {d}")
 
     # Different offers in one round. Rank 0 submits A and B in one call, then C; rank 1 A and
     # C, then B (the same count, other bits), or rank 1 A alone, then B and C (another count).
@@ -531,15 +537,50 @@ def grouped_payload():
     if d["steady_released"] != 30 or d["coordinator_messages"] or d["steady_fallbacks"]:
         fail(f"crossed offers left the steady state: {d}")
 
+    # The express lane handing a group to the general path. Rank 1 has another tensor in
+    # flight when it makes the grouped call, so its round offers three bits while rank 0's
+    # express lane offers two: nothing is carried, the group is released through the data
+    # path on both, and the third tensor in the next round. Then rank 1 arrives 50 ms late,
+    # past the lane's polling window (engine.BLOCKING_POLL_S): rank 0's round goes to the
+    # round waiter, and the call still returns the right sums.
+    pair = [(2,), (3,)]
+
+    def pair_want(i, k):
+        return sum(gen(r, pair[i], f32, salt=("g.h", i, k)) for r in range(size))
+
+    def handoff_step(k: int, late: bool) -> None:
+        xs = [gen(rank, sh, f32, salt=("g.h", i, k)) for i, sh in enumerate(pair)]
+        c = gen(rank, (5,), f32, salt=("g.hc", k))
+        c_want = sum(gen(r, (5,), f32, salt=("g.hc", k)) for r in range(size))
+        if late and rank == 1:
+            time.sleep(0.05)
+        pending = hvd.allreduce_async(c, name="g.hc", op=hvd.Sum) if rank == 1 else None
+        got = hvd.grouped_allreduce(xs, name="g.h", op=hvd.Sum)
+        if rank == 1:
+            same(hvd.synchronize(pending), c_want, f"handoff third step {k}")
+        else:
+            same(hvd.allreduce(c, name="g.hc", op=hvd.Sum), c_want, f"handoff third step {k}")
+        for i in range(2):
+            same(got[i], pair_want(i, k), f"handoff step {k} member {i}")
+
+    d = steady_delta(lambda k: handoff_step(k, False), range(3), range(3, 9))
+    if d["steady_released"] != 18 or d["coordinator_messages"] or d["steady_fallbacks"]:
+        fail(f"a group handed from the express lane left the steady state: {d}")
+    d = steady_delta(lambda k: handoff_step(k, True), range(9, 10), range(10, 13))
+    if d["steady_released"] != 9 or d["coordinator_messages"] or d["steady_fallbacks"]:
+        fail(f"a late peer's group left the steady state: {d}")
+
 
 def reuse():
     """One name, its allreduce's signature changed (op, scale factors, shape, dtype) right after
     the set became steady on the plain call, through each way a named allreduce is submitted:
-    blocking, asynchronous out of place and in place, and in a batch (the DistributedOptimizer's
-    deferred gradients). The request kept for the name (ops._allreduce_request) is never reused
-    for a different signature, so every call reduces as asked (a stale request would match the
-    plain call's cache bit and be released as it); and a shape that differs across ranks on the
-    asynchronous path still raises the coordinator's mismatch error on both ranks."""
+    blocking, asynchronous out of place and in place, in a batch (the DistributedOptimizer's
+    deferred gradients), and as the first member of a blocking grouped call, out of place and
+    in place. The requests kept for the name (ops._allreduce_request, ops._grouped_requests)
+    are never reused for a different signature, so every call reduces as asked (a stale
+    request would match the plain call's cache bit and be released as it); and a shape that
+    differs across ranks on the asynchronous path and in a group still raises the
+    coordinator's mismatch error on both ranks."""
     from hvdlite.torch.mpi_ops import _allreduce_batch_async
     plain = ({"op": hvd.Sum}, (6,), torch.float32)
     variants = [({}, (6,), torch.float32),
@@ -552,6 +593,14 @@ def reuse():
     def submit(how, x, name, kw):
         if how == "blocking":
             return hvd.allreduce(x, name=name, **kw)
+        if how in ("grouped", "grouped_"):   # with a copy as second member: both must agree
+            xs = [x, x.clone()]
+            if how == "grouped":
+                xs = hvd.grouped_allreduce(xs, name=name, **kw)
+            else:
+                hvd.grouped_allreduce_(xs, name=name, **kw)
+            same(xs[1], xs[0], f"{name}: the second member")
+            return xs[0]
         if how == "async":
             return hvd.synchronize(hvd.allreduce_async(x, name=name, **kw))
         if how == "async_":
@@ -574,7 +623,7 @@ def reuse():
                 * kw.get("postscale_factor", 1.0)
         same(submit(how, xs[rank].clone(), f"r.reuse.{how}", kw), want, f"reuse {how} {salt}")
 
-    for how in ("blocking", "async", "async_", "batch"):
+    for how in ("blocking", "async", "async_", "batch", "grouped", "grouped_"):
         for i, variant in enumerate(variants):
             for k in range(6):
                 call(how, *plain, salt=("rp", how, i, k))
@@ -588,6 +637,11 @@ def reuse():
         call("async_", *plain, salt=("rm", k))
     shape_mismatch("r.reuse.async_", lambda x, name: submit("async_", x, name, {"op": hvd.Sum}))
     call("async_", *plain, salt=("ra",))
+    for k in range(6):
+        call("grouped", *plain, salt=("rg", k))
+    shape_mismatch("r.reuse.grouped.0", lambda x, name: submit(
+        "grouped", x, "r.reuse.grouped", {"op": hvd.Sum}))
+    call("grouped", *plain, salt=("rga",))
 
 
 check("inline", inline)
