@@ -815,12 +815,14 @@ class Engine:
                 handle = self._attach(entries)
             self._round_done(st, result)
             return handle
-        st.finish_round(bits)
+        released = st.finish_round(bits)
         counters["steady_released"] += len(entries)
         counters["steady_groups"] += 1
         counters["express"] += 1
         if carried:
-            self._finish_in_round(st, entries, rnd.request.payload())
+            # In ascending bit order, as _carry packed them: a caller's order can differ (a
+            # member whose signature changed once has a newer bit than the others).
+            self._finish_in_round(st, [e for _, e in released], rnd.request.payload())
             return True if detached else None
         resp = build_responses(self.cache, st.set_id, [e.sent_bit],
                                self.settings.fusion_threshold,

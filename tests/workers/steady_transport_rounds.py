@@ -48,7 +48,8 @@ shared memory the collective runs there too, ShmChannel._submit). Checks:
   group over the payload, with a float64 member or reduced by max goes the usual way; ranks
   whose round offers differ carry nothing in it and reduce every tensor right, and so does a
   grouped call that the lane hands to the general path (a rank with another tensor in
-  flight, a peer later than the lane's polling window).
+  flight, a peer later than the lane's polling window), and a group whose members' cache
+  bits run in another order than the call's (one member's shape changed once).
 """
 from __future__ import annotations
 
@@ -536,6 +537,25 @@ def grouped_payload():
     d = steady_delta(crossed_step, range(3), range(3, 13))
     if d["steady_released"] != 30 or d["coordinator_messages"] or d["steady_fallbacks"]:
         fail(f"crossed offers left the steady state: {d}")
+
+    # Bits in another order than the call's: the first member's shape changes once, so its
+    # new cache bit is above the second's, and the round packs the second first. Each member
+    # must still get its own sum (they differ in shape and value), on the express lane.
+    def order_step(k: int, first=(3,)) -> None:
+        shapes = [first, (2,)]
+        xs = [gen(rank, sh, f32, salt=("g.o", i, k)) for i, sh in enumerate(shapes)]
+        got = hvd.grouped_allreduce(xs, name="g.o", op=hvd.Sum)
+        for i, sh in enumerate(shapes):
+            same(got[i], sum(gen(r, sh, f32, salt=("g.o", i, k)) for r in range(size)),
+                 f"reordered step {k} member {i}")
+
+    for k in range(3):
+        order_step(k)
+    order_step(3, first=(4,))                  # a new bit for the first member
+    with long_spin():
+        d = steady_delta(order_step, range(4, 7), range(7, 13))
+    if d["round_payloads"] != 12 or d["express"] < 4 or d["coordinator_messages"]:
+        fail(f"a group whose bits are out of call order left the lane: {d}")
 
     # The express lane handing a group to the general path. Rank 1 has another tensor in
     # flight when it makes the grouped call, so its round offers three bits while rank 0's
