@@ -283,6 +283,13 @@ class Executor:
 
     # ------------------------------------------------------------------ allreduce
     @staticmethod
+    def carries(req) -> bool:
+        """Whether a steady round's payload may carry this allreduce's data: float32, by sum or
+        average (a payload is summed; inline_in also needs the tensor contiguous and small
+        enough)."""
+        return req.dtype == "float32" and req.reduce_op in (SUM, AVERAGE)
+
+    @staticmethod
     def inline_in(payload: torch.Tensor, req, src: torch.Tensor, offset: int = 0) -> bool:
         """Put `src`, prescaled, in a steady round's payload (backends/mpi.Agreement) from
         element `offset` on, when the round may carry its allreduce: float32, sum or average,
@@ -292,8 +299,7 @@ class Executor:
         and copying with torch cost 3.4 us per 4 KiB here, a memmove 0.4 us, where the whole
         allreduce takes ~10."""
         n = src.numel()
-        if req.dtype != "float32" or offset + n > payload.numel() \
-                or req.reduce_op not in (SUM, AVERAGE) or not src.is_contiguous():
+        if not Executor.carries(req) or offset + n > payload.numel() or not src.is_contiguous():
             return False
         ctypes.memmove(payload.data_ptr() + 4 * offset, src.data_ptr(), 4 * n)
         if req.prescale != 1.0:
@@ -320,44 +326,35 @@ class Executor:
         return buf.numpy() if Executor.inline_pack(buf, entries) else None
 
     @staticmethod
-    def inline_out(payload: torch.Tensor, req, out: torch.Tensor, size: int,
-                   offset: int = 0, scaled: bool = False) -> None:
-        """A round's payload holds the sum of every rank's `inline_in`: finish the allreduce
-        into `out` from element `offset` as allreduce() would (postscale, and 1/size for an
-        average; `scaled`: the payload is scaled already, inline_out_all). `payload`: a
-        tensor, or the float32 array a round over the control connections summed."""
-        if isinstance(payload, np.ndarray):
-            payload = torch.from_numpy(payload)
-        n = out.numel()
-        if out.is_contiguous():
-            ctypes.memmove(out.data_ptr(), payload.data_ptr() + 4 * offset, 4 * n)
-        else:
-            out.copy_(payload[offset:offset + n].view(out.shape))
-        if not scaled:
-            scale_(out, _out_factor(req, size))
-
-    @staticmethod
     def inline_out_all(payload, entries: list, size: int) -> None:
-        """Finish every entry's allreduce from a carried round's payload, where their tensors
-        lie one after another (inline_out). Where they share one scale factor (a grouped call:
-        the same op and postscale), the payload is scaled once, in place, and the outputs are
-        only copied: scaling a one-element output cost ~2 us here, a quarter of finishing a
-        grouped call of two metrics. The same multiplication of the same floats either way,
-        so the same bits."""
-        factor = _out_factor(entries[0].request, size)
-        shared = len(entries) > 1 and all(_out_factor(e.request, size) == factor
-                                          for e in entries)
-        if shared and factor != 1.0:
+        """A carried round's payload holds the sum of every rank's `inline_in`, the entries'
+        tensors one after another: finish each allreduce into its output as allreduce() would
+        (postscale, and 1/size for an average). `payload`: a tensor, or the float32 array a
+        round over the control connections summed.
+
+        Where the entries share one scale factor (a grouped call: the same op and postscale),
+        the payload is scaled once, in place, and the outputs are only copied: scaling a
+        one-element output cost ~2 us here, a quarter of finishing a grouped call of two
+        metrics. The same multiplication of the same floats either way, so the same bits."""
+        factors = [_out_factor(e.request, size) for e in entries]
+        if len(entries) > 1 and factors[0] != 1.0 and factors.count(factors[0]) == len(factors):
             # Through NumPy, as scale_ multiplies a small CPU tensor (the same float32 product);
             # the payload is the round's own buffer, so no version counter to bump.
             array = payload if isinstance(payload, np.ndarray) else payload.numpy()
-            array[:sum(e.output.numel() for e in entries)] *= factor
+            array[:sum(e.output.numel() for e in entries)] *= factors[0]
+            factors = [1.0] * len(entries)
         if isinstance(payload, np.ndarray):
             payload = torch.from_numpy(payload)
         offset = 0
-        for e in entries:
-            Executor.inline_out(payload, e.request, e.output, size, offset, shared)
-            offset += e.output.numel()
+        for e, factor in zip(entries, factors):
+            out = e.output
+            n = out.numel()
+            if out.is_contiguous():
+                ctypes.memmove(out.data_ptr(), payload.data_ptr() + 4 * offset, 4 * n)
+            else:
+                out.copy_(payload[offset:offset + n].view(out.shape))
+            scale_(out, factor)              # (returns at once for 1.0)
+            offset += n
 
     def allreduce(self, comm, resp: Response, inputs: list, outputs: list) -> None:
         dtype = DTYPES[resp.dtype]

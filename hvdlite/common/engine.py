@@ -39,8 +39,8 @@ from . import collectives, rendezvous
 from .exceptions import HorovodInternalError, HorovodMismatchError
 from .flight_recorder import RECORDER, dump, dump_async
 from .backends.base import DONE
-from .messages import (ADASUM, ADD_PROCESS_SET, ALLREDUCE, AVERAGE, BARRIER, ERROR, JOIN,
-                       REMOVE_PROCESS_SET, SUM, TYPE_NAMES, Request, Response)
+from .messages import (ADASUM, ADD_PROCESS_SET, ALLREDUCE, BARRIER, ERROR, JOIN,
+                       REMOVE_PROCESS_SET, TYPE_NAMES, Request, Response)
 from .protocol import INLINE_FLOATS, PEER_INLINE_FLOATS, Item, Msg
 from .response_cache import RankCache
 from .buckets import BucketPlanner
@@ -674,21 +674,20 @@ class Engine:
                 # A group is offered whole, as _steady_add says: a grouped call is one group,
                 # all of it (ops.allreduce), and anything else goes the usual way.
                 group = entries[0].request.group
-                keys, bits, total = [], [], 0
+                keys, bits = [], []
                 for e in entries:
                     req = e.request
                     key = (req.process_set_id, req.name)
                     hit = self.cache.by_name.get(key)
                     if key in self._reserved or not req.cacheable or hit is None \
-                            or req.dtype != "float32" or req.reduce_op not in (SUM, AVERAGE) \
                             or req.group != group or (group is not None
                                                       and req.group_size != len(entries)) \
-                            or hit[1] != req.signature() or not self._express_ok(e, comm):
+                            or hit[1] != req.signature():
                         return None
-                    total += e.tensor.numel()
                     keys.append(key)
                     bits.append(hit[0])
-                if total > INLINE_FLOATS or len(set(bits)) != len(bits):
+                if len(set(bits)) != len(bits) or self._carryable(entries, comm,
+                                                                  INLINE_FLOATS) < 0:
                     return None
                 self._reserved.update(keys)
                 for e in entries:
@@ -1367,19 +1366,15 @@ class Engine:
         pending = st.pending
         if st.fallback or not pending or not (st.agreement is not None or st.over_peers):
             return -1, None         # (a one-member set's allreduce is a copy: nothing to carry)
-        comm = self.comms.get((st.set_id, "cpu"))
         bits = sorted(pending) if len(pending) > 1 else list(pending)
-        cap = INLINE_FLOATS if st.agreement is not None else \
-            2 * PEER_INLINE_FLOATS // len(st.ranks)
-        entries, total = [], 0
-        for bit in bits:
-            e = pending[bit]
-            if not self._express_ok(e, comm):       # (a barrier's entry has no tensor)
-                return -1, None
-            total += e.tensor.numel()
-            if total > cap:
-                return -1, None
-            entries.append(e)
+        # (A generator: a step's large gradients stop the check at the first one.)
+        total = self._carryable((pending[bit] for bit in bits),
+                                self.comms.get((st.set_id, "cpu")),
+                                INLINE_FLOATS if st.agreement is not None
+                                else 2 * PEER_INLINE_FLOATS // len(st.ranks))
+        if total < 0:
+            return -1, None
+        entries = [pending[bit] for bit in bits]
         payload = st.agreement.payload_for(st.width) if st.agreement is not None else None
         if payload is None:
             array = self.executor.inline_array(entries, total)
@@ -1392,6 +1387,20 @@ class Engine:
         if not self.executor.inline_pack(payload, entries):
             return -1, None
         return bits[0], None
+
+    def _carryable(self, entries, comm, cap: int) -> int:
+        """How many elements the entries' tensors hold together, where a round may carry them
+        all (each a CPU allreduce into an output, _express_ok, of a kind the payload carries,
+        Executor.carries, at most `cap` elements together); else -1. (_carry packs them;
+        express_many takes its lane only for such calls.)"""
+        total = 0
+        for e in entries:
+            if not self._express_ok(e, comm) or not self.executor.carries(e.request):
+                return -1                       # (a barrier's entry has no tensor)
+            total += e.tensor.numel()
+            if total > cap:
+                return -1
+        return total
 
     def _round_current(self, st: SteadySet, rnd) -> bool:
         """Whether a transport round still matters (the round waiter drops it otherwise)."""

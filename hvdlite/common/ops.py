@@ -343,16 +343,22 @@ def _allreduce_request(state, sid: int, name: str, buffer: Buffer, op: int, pres
     GPU buffer) builds a new one, with every check of the general path."""
     key = (sid, name)
     req = state.requests.get(key)
-    if req is None or req.reduce_op != op or req.prescale != prescale \
-            or req.postscale != postscale or buffer.is_cuda or req.device >= 0 \
-            or req.shape != buffer.shape \
-            or req.dtype != DTYPE_NAMES.get(buffer.dtype):
+    if req is None or not _request_fits(req, buffer, op, prescale, postscale):
         req = _request(state.rank, name, ALLREDUCE, buffer, sid, True,
                        reduce_op=op, prescale=float(prescale), postscale=float(postscale))
         if len(state.requests) >= _REQUESTS_KEPT:
             state.requests.clear()
         state.requests[key] = req
     return req
+
+
+def _request_fits(req: Request, buffer: Buffer, op: int, prescale: float,
+                  postscale: float) -> bool:
+    """Whether a kept allreduce request still describes `buffer` reduced by `op` with these
+    scale factors (a CPU buffer of the request's shape and dtype)."""
+    return (req.reduce_op == op and req.prescale == prescale and req.postscale == postscale
+            and not buffer.is_cuda and req.device < 0 and req.shape == buffer.shape
+            and req.dtype == DTYPE_NAMES.get(buffer.dtype))
 
 
 def _grouped_requests(state, sid: int, names, group, buffers: list, op: int, prescale: float,
@@ -366,10 +372,8 @@ def _grouped_requests(state, sid: int, names, group, buffers: list, op: int, pre
     ~40 us on 2 MPI ranks. Anything that differs builds them anew, with every check."""
     key = (sid, "group", names if isinstance(names, str) else tuple(names), group)
     reqs = state.requests.get(key)
-    if reqs is None or len(reqs) != len(buffers) or any(
-            req.reduce_op != op or req.prescale != prescale or req.postscale != postscale
-            or b.is_cuda or req.device >= 0 or req.shape != b.shape
-            or req.dtype != DTYPE_NAMES.get(b.dtype) for req, b in zip(reqs, buffers)):
+    if reqs is None or len(reqs) != len(buffers) or not all(
+            _request_fits(req, b, op, prescale, postscale) for req, b in zip(reqs, buffers)):
         reqs = _requests("allreduce", ALLREDUCE, buffers, names, sid, group, None,
                          reduce=True, reduce_op=op, prescale=float(prescale),
                          postscale=float(postscale))
