@@ -84,7 +84,8 @@ def test_steady_state_mpi(mpi_run):
 
 
 ROUNDS_CHECKS = ["inline", "express", "waiter", "async", "crossed", "large", "late_peer",
-                 "busy_engine", "batch", "mid", "changed_shape", "compacted", "reuse"]
+                 "busy_engine", "batch", "mid", "changed_shape", "compacted", "reuse",
+                 "interrupted"]
 
 
 @pytest.mark.timeout(180)

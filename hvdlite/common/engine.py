@@ -448,7 +448,11 @@ class Engine:
         if direct:
             self._send_entries(entries, tags)
         elif inline is not None:
-            self._drive_inline(inline, go, blocking)
+            try:
+                self._drive_inline(inline, go, blocking)
+            except BaseException:
+                self._orphan(handle)     # (Ctrl-C in the round's poll: _left_lane)
+                raise
         elif wake:
             self._wake()
         return handle
@@ -508,13 +512,17 @@ class Engine:
                     comm = self.comms.get((st.set_id, "cpu"))
                     spin_s = getattr(comm, "inline_poll_s", 0.0)
                     e = go[0]
-                    if st.over_peers:
-                        self._steady_kick(st)         # the answer is read at the wait
-                    elif len(go) == 1 and e.sent_bit >= 0 and self._express_ok(e, comm):
-                        self._express(st, go, comm, spin_s)
-                    else:
-                        self._steady_kick(st, max(spin_s, BLOCKING_POLL_S)
-                                          if blocking and spin_s else spin_s)
+                    try:
+                        if st.over_peers:
+                            self._steady_kick(st)         # the answer is read at the wait
+                        elif len(go) == 1 and e.sent_bit >= 0 and self._express_ok(e, comm):
+                            self._express(st, go, comm, spin_s)
+                        else:
+                            self._steady_kick(st, max(spin_s, BLOCKING_POLL_S)
+                                              if blocking and spin_s else spin_s)
+                    except BaseException:
+                        self._left_lane(st, go)
+                        raise
                     return
             finally:
                 self._drive.release()
@@ -640,6 +648,9 @@ class Engine:
                 if done is True and not blocking:
                     done = Finished([e], lambda: self._unreserve([key]))
                 return done
+            except BaseException:
+                self._left_lane(st, [e])
+                raise
             finally:
                 if e.handle is None and done.__class__ is not Finished:
                     with self._lock:       # finished (or failed) here: the name is free again
@@ -702,6 +713,9 @@ class Engine:
             try:
                 return self._express(st, entries, comm, getattr(comm, "inline_poll_s", 0.0),
                                      True)
+            except BaseException:
+                self._left_lane(st, entries)
+                raise
             finally:
                 if entries[0].handle is None:
                     with self._lock:   # finished (or failed) here: the names are free again
@@ -797,10 +811,7 @@ class Engine:
                     if time.perf_counter() >= deadline:
                         if detached:
                             handle = self._attach(entries)
-                        if self._waiter is None:
-                            self._waiter = RoundWaiter(self._waited_round, self._round_current,
-                                                       f"hvdlite-rounds-{self.rank}")
-                        self._waiter.watch(st, rnd)
+                        self._watch(st, rnd)
                         return handle
             result = rnd.result
         else:
@@ -1340,12 +1351,53 @@ class Engine:
         deadline = time.perf_counter() + spin_s
         while rnd.advance() is None:
             if time.perf_counter() >= deadline:
-                if self._waiter is None:
-                    self._waiter = RoundWaiter(self._waited_round, self._round_current,
-                                               f"hvdlite-rounds-{self.rank}")
-                self._waiter.watch(st, rnd)
+                self._watch(st, rnd)
                 return
         self._round_done(st, rnd.result)
+
+    def _watch(self, st: SteadySet, rnd: TransportRound) -> None:
+        """Hand a transport round to the round waiter, which finishes it (_waited_round)."""
+        if self._waiter is None:
+            self._waiter = RoundWaiter(self._waited_round, self._round_current,
+                                       f"hvdlite-rounds-{self.rank}")
+        self._waiter.watch(st, rnd)
+
+    def _left_lane(self, st: SteadySet, entries: list) -> None:
+        """An exception left a caller's own drive of its round (the express lane, or
+        _drive_inline) while `entries` were in it: mostly a KeyboardInterrupt, Ctrl-C landing
+        while the caller polled the round, where such a caller spends up to BLOCKING_POLL_S.
+        Drive lock held.
+
+        Why: the other ranks' rounds pair with this one and end; if nothing here polled it any
+        more, the set's next round could never start, and every rank's next collective waited
+        forever (the next call of the same name on this rank, and its peers' calls, hung).
+        So the round goes to the round waiter and its entries to the general path, which
+        finishes them as if the caller were still waiting (the result lands in the output);
+        detached entries (express, express_many) get a handle for that, and one nobody will
+        wait on: their names are free again once it completes (_orphan). Detached entries
+        whose round never started leave the set, as if never submitted; entries the round has
+        released already are finished or failed with their caller."""
+        rnd = st.round
+        if entries and entries[0].handle is None and entries[0].result is None:
+            if not any(st.pending.get(e.sent_bit) is e for e in entries):
+                return
+            if rnd is None:
+                for e in entries:
+                    if st.pending.get(e.sent_bit) is e:
+                        del st.pending[e.sent_bit]
+                return
+            self._orphan(self._attach(entries))
+        if rnd.__class__ is TransportRound and not rnd.owned_by_waiter \
+                and self._round_current(st, rnd):
+            self._watch(st, rnd)
+
+    @staticmethod
+    def _orphan(handle: Handle) -> None:
+        """Free `handle`'s names when it completes: its caller left by an exception before it
+        got the handle, so no wait() will free them (enqueue, _left_lane)."""
+        release, handle._release = handle._release, None
+        if release is not None:
+            handle.add_callback(release)
 
     def _carry(self, st: SteadySet) -> tuple[int, Any]:
         """Put the tensors of the round `st` is about to start in its payload, where the round

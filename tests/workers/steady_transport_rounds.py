@@ -664,6 +664,66 @@ def reuse():
     call("grouped", *plain, salt=("rga",))
 
 
+def interrupted():
+    """A KeyboardInterrupt (Ctrl-C) reaches rank 0's caller while it polls its round: a
+    blocking allreduce and a blocking grouped one on the express lane (express,
+    express_many), and an asynchronous allreduce whose caller drives its round in enqueue
+    (_drive_inline). The caller gets it, and the round it left still ends (engine._left_lane),
+    so both ranks go on reducing the same names right, with no hang and no name left taken.
+    On the code before, the job hung at the next call."""
+    from hvdlite.common import steady
+    advance = steady.TransportRound.advance
+    armed = []
+
+    def interrupting(self):
+        if armed and threading.current_thread() is threading.main_thread():
+            armed.clear()
+            raise KeyboardInterrupt("injected: Ctrl-C while polling the round")
+        return advance(self)
+
+    def one(k, how):
+        xs = [gen(rank, (n,), torch.float32, salt=("ki", how, k, n)) for n in (40, 3)]
+        want = [sum(gen(r, x.shape, torch.float32, salt=("ki", how, k, x.numel()))
+                    for r in range(size)) for x in xs]
+        if how == "grouped":
+            return (lambda: hvd.grouped_allreduce_(xs, name="r.ki.g", op=hvd.Sum)), xs, want
+        if how == "async":
+            return (lambda: hvd.synchronize(hvd.allreduce_async_(xs[0], name="r.ki.a",
+                                                                 op=hvd.Sum))), xs[:1], want[:1]
+        return (lambda: hvd.allreduce_(xs[0], name="r.ki", op=hvd.Sum)), xs[:1], want[:1]
+
+    steady.TransportRound.advance = interrupting
+    try:
+        for how in ("one", "grouped", "async"):
+            for k in range(12):
+                call, xs, want = one(k, how)
+                interrupt = rank == 0 and k == 6
+                hvd.allreduce(torch.zeros(1), name="r.ki.sync")
+                if rank == 1 and k == 6:
+                    time.sleep(0.05)              # rank 0 is polling when the interrupt comes
+                before = counters()
+                armed[:] = [True] if interrupt else []
+                try:
+                    call()
+                except KeyboardInterrupt:
+                    if not interrupt:
+                        raise
+                else:
+                    if interrupt:
+                        fail(f"the injected interrupt never came ({how}, step {k})")
+                    for x, w in zip(xs, want):
+                        same(x, w, f"after an interrupt ({how}) step {k}")
+                if interrupt:
+                    continue
+                # (Blocking calls poll for BLOCKING_POLL_S; an asynchronous one only for the
+                # spin window, which a descheduled peer may miss.)
+                if k > 6 and rank == 0 and how != "async" \
+                        and counters()["express"] == before["express"]:
+                    fail(f"the express lane stayed shut after the interrupt ({how}): step {k}")
+    finally:
+        steady.TransportRound.advance = advance
+
+
 check("inline", inline)
 check("express", express)
 check("waiter", waiter)
@@ -681,6 +741,7 @@ check("late_peer", late_peer)
 check("busy_engine", busy_engine)
 check("batch", batch)
 check("mid", mid)
+check("interrupted", interrupted)
 print("COUNTERS", counters(), flush=True)
 finish()
 hvd.shutdown()
