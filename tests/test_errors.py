@@ -59,6 +59,30 @@ def test_op_before_init_is_a_clear_error():
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("how", ["express", "async"])
+def test_interrupt_inside_a_collective_fails_every_rank(how):
+    """A KeyboardInterrupt inside a collective's own steps on a caller's thread (MPI: the
+    caller runs a small steady-state collective itself) cannot be resumed: the interrupted
+    rank's next call and its peer raise one error naming the tensor and the cause, at once
+    (workers/steady_interrupted_inside.py). Before, nothing noticed: the interrupted tensor
+    kept the sum where the average was asked, and a collective of several transport calls
+    (a fused response reduced in place) would have left the other ranks waiting for the rest."""
+    from test_mpi import HAVE_MPI
+    from util import hvdlite_run, rank_lines
+    if not HAVE_MPI:
+        pytest.skip("mpi4py/mpiexec not installed (pip install mpi4py mpich)")
+    proc = hvdlite_run("steady_interrupted_inside.py", np=2, args=[how], timeout=120,
+                       launcher_args=["--mpi"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "INTERRUPTED" in rank_lines(proc.stdout, 0), proc.stdout
+    for r in (0, 1):
+        line = [x for x in rank_lines(proc.stdout, r) if x.startswith("RAISED")]
+        assert line, proc.stdout + proc.stderr
+        assert "ALLREDUCE of ['inside.avg'] failed on rank 0: KeyboardInterrupt" in line[0], line
+        assert float(line[0].split()[1]) < 10, line
+
+
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("transport", ["gloo", "mpi"])
 @pytest.mark.parametrize("wait_s", ["0", "0.5"])
 def test_steady_hit_after_a_member_shut_down_raises(transport, wait_s):

@@ -289,6 +289,9 @@ class Engine:
         # duplicate-name error does not depend on how fast the collective happened to finish
         # (which differs between ranks and would make their code paths diverge).
         self._reserved: set[tuple[int, str]] = set()
+        # Names held by handles whose callers left by an exception (_orphan): a new call of
+        # one of them waits for that handle instead of failing as a duplicate (_await_orphans).
+        self._orphaned: dict[tuple[int, str], Handle] = {}
         self._closed: str | None = None
         self._stopping = False
         self._last_send = 0.0
@@ -376,6 +379,8 @@ class Engine:
         round itself (_drive_inline) it polls that round for up to BLOCKING_POLL_S, as the
         express lane's caller does (_express says why), instead of handing it to the round
         waiter after the spin window and waking up again when that thread has finished it."""
+        if self._orphaned:
+            self._await_orphans(entries)
         handle = Handle(entries)
         with self._lock:
             if self._closed is not None:
@@ -846,11 +851,12 @@ class Engine:
                 self._in_transport[seq] = [e]
         RECORDER.started(e.flight)
         e.result = e.output
+        gen, box = None, [None]
         try:
             gen = self.executor.allreduce(comm, resp, [e.tensor], [e.output])
-            work = next(gen)
+            work = box[0] = next(gen)
             if spin_s and (detached or e.request.nbytes() <= INLINE_POLL_BYTES):
-                work = self._poll_inline(gen, work, BLOCKING_POLL_S if detached else spin_s)
+                work = self._poll_inline(gen, box, BLOCKING_POLL_S if detached else spin_s)
                 if work is None:
                     return self._express_done(seq, resp, e, detached)
         except StopIteration:
@@ -861,6 +867,9 @@ class Engine:
                 return None
             RECORDER.finished(e.flight, message)
             raise HorovodInternalError(message) from exc
+        except BaseException as exc:
+            self._left_transfer(seq, gen, box[0], resp, None, exc, entries if detached else None)
+            raise
         if detached:
             handle = self._attach(entries, seq)
         self._transport.put((seq, gen, work, resp, None))
@@ -1391,13 +1400,35 @@ class Engine:
                 and self._round_current(st, rnd):
             self._watch(st, rnd)
 
-    @staticmethod
-    def _orphan(handle: Handle) -> None:
+    def _orphan(self, handle: Handle) -> None:
         """Free `handle`'s names when it completes: its caller left by an exception before it
-        got the handle, so no wait() will free them (enqueue, _left_lane)."""
+        got the handle, so no wait() will free them (enqueue, _left_lane, _left_transfer).
+        Until then a new call of one of its names waits for it (_await_orphans): the caller
+        that caught the exception and calls again must not get a duplicate-name error for the
+        collective it left."""
         release, handle._release = handle._release, None
-        if release is not None:
-            handle.add_callback(release)
+        if release is None:
+            return
+        keys = [(e.request.process_set_id, e.request.name) for e in handle.entries]
+        for key in keys:
+            self._orphaned[key] = handle
+
+        def freed() -> None:
+            release()
+            for key in keys:
+                if self._orphaned.get(key) is handle:
+                    del self._orphaned[key]
+        handle.add_callback(freed)
+
+    def _await_orphans(self, entries: list) -> None:
+        """Wait until no orphaned handle (_orphan) holds one of these entries' names, or the
+        engine has stopped (enqueue then raises as usual)."""
+        for e in entries:
+            key = (e.request.process_set_id, e.request.name)
+            while key in self._orphaned and self._closed is None and self.alive():
+                handle = self._orphaned.get(key)
+                if handle is not None and handle._wait_signal(0.1):
+                    time.sleep(0.0005)      # completed: its callback frees the names next
 
     def _carry(self, st: SteadySet) -> tuple[int, Any]:
         """Put the tensors of the round `st` is about to start in its payload, where the round
@@ -1501,6 +1532,7 @@ class Engine:
                 self.counters["steady_groups"] += 1
                 self._finish_in_round(st, [e for _, e in released], payload_sum(result[3]))
                 released = []
+        interrupted, stopped = None, False
         if released:
             threshold = self.settings.fusion_threshold
             self._releasing = True
@@ -1508,17 +1540,27 @@ class Engine:
                 for resp in build_responses(self.cache, st.set_id, [b for b, _ in released],
                                             threshold, not self.settings.disable_group_fusion):
                     self.counters["steady_groups"] += 1
-                    self._execute(resp, cached=True)
+                    try:
+                        self._execute(resp, cached=True)
+                    except BaseException as exc:
+                        # A Ctrl-C in a caller's poll of one of them (_left_transfer handed it
+                        # on): the round's other collectives still launch, and its fallback
+                        # still happens, as on every other rank; then the caller gets it.
+                        interrupted = interrupted or exc
                     if self._closed is not None:
-                        return
+                        stopped = True
+                        break
             finally:
                 self._releasing = False
-        if st.gone is not None:
-            self._steady_fail_gone(st, st.gone)
-        elif fallback:
-            self._fall_back(st)
-        else:
-            self._steady_kick(st)
+        if not stopped:
+            if st.gone is not None:
+                self._steady_fail_gone(st, st.gone)
+            elif fallback:
+                self._fall_back(st)
+            else:
+                self._steady_kick(st)
+        if interrupted is not None:
+            raise interrupted
 
     def _fall_back(self, st: SteadySet) -> None:
         """Every rank saw the flag in the same round: back to full negotiation for this set."""
@@ -1795,16 +1837,17 @@ class Engine:
             seq = self._transport_seq
             self._transport_seq += 1
             self._in_transport[seq] = [e for e in entries if e is not None]
+        gen, box = None, [None]
         try:
             comm = self._comm(set_id, resp.device)
             gen = collectives.run(self.executor, comm, resp, entries)
-            work = next(gen)
+            work = box[0] = next(gen)
             while work is DONE:  # a one-rank set: nothing to wait for, finish here
-                work = gen.send(None)
+                work = box[0] = gen.send(None)
             poll_s = getattr(comm, "inline_poll_s", 0.0)
             if poll_s and seq == self._transport_seq - 1 and len(self._in_transport) == 1 \
                     and resp.nbytes() <= INLINE_POLL_BYTES:
-                work = self._poll_inline(gen, work, poll_s)
+                work = self._poll_inline(gen, box, poll_s)
                 if work is None:
                     self._done(seq, resp, tl)
                     return
@@ -1814,6 +1857,9 @@ class Engine:
         except Exception as exc:
             self._op_failed(seq, resp, tl, exc)
             return
+        except BaseException as exc:       # (on a caller's thread: _left_transfer)
+            self._left_transfer(seq, gen, box[0], resp, tl, exc, None)
+            raise
         then = getattr(work, "then", None)
         if then is not None:              # the transport finishes the collective itself
             then(lambda: self._resume(seq, gen, work, resp, tl))
@@ -1836,7 +1882,7 @@ class Engine:
         self._transport.put((seq, gen, work, resp, tl))
 
     @staticmethod
-    def _poll_inline(gen, work, poll_s: float):
+    def _poll_inline(gen, box: list, poll_s: float):
         """Finish a small collective on this thread if it completes within `poll_s`.
 
         Why: with nothing else in flight, handing a collective to the finisher thread and its
@@ -1848,8 +1894,11 @@ class Engine:
         whatever is unfinished at the deadline goes to the finisher as before, so a slow or dead
         peer costs at most `poll_s` here. Returns None once the collective has finished (results
         copied out), else the work still pending. Raises what the transport raised.
+        `box[0]`: the work `gen` waits on, kept current here, so that a caller interrupted in
+        this loop knows what to hand over (_left_transfer).
         """
         deadline = time.perf_counter() + poll_s
+        work = box[0]
         test = getattr(work, "is_completed", None)
         while test is not None:
             if not test() and getattr(work, "then", None) is not None:
@@ -1861,11 +1910,34 @@ class Engine:
                     return work
             work.wait()                   # completed: raises a transport error, copies back
             try:
-                work = gen.send(None)
+                work = box[0] = gen.send(None)
             except StopIteration:
                 return None
             test = getattr(work, "is_completed", None)
         return work
+
+    def _left_transfer(self, seq: int, gen, work, resp: Response, tl, exc: BaseException,
+                       detached: list | None) -> None:
+        """An exception that is no transport error (a KeyboardInterrupt: Ctrl-C) left a caller
+        that ran collective `seq` on its own thread (_express, or _execute from a caller's
+        drive): mostly while it polled the transfer (_poll_inline), for up to BLOCKING_POLL_S.
+
+        Why: the other ranks' parts of the collective go on; abandoned here, its results were
+        never copied out, its entries never finished and their names never freed, and a
+        collective of several calls (collectives.Executor._allreduce_in_place) never made the
+        rest of its calls, for which the other ranks then waited. So a collective suspended at
+        a transfer (`gen` alive, waiting on `work`) goes to the finisher thread, which finishes
+        it as if the caller still waited; `detached` entries (the express lane's) get a handle
+        for that, whose names free when it completes (_orphan). One interrupted inside its own
+        steps (the generator gone) cannot be resumed, and the ranks' collectives may no longer
+        pair up: the job fails on every rank with this error, as for a transport's."""
+        if gen is not None and work is not None and gen.gi_frame is not None \
+                and not gen.gi_running:
+            if detached is not None:
+                self._orphan(self._attach(detached, seq))
+            self._transport.put((seq, gen, work, resp, tl))
+            return
+        self._op_failed(seq, resp, tl, exc)
 
     def _finish_loop(self) -> None:
         """Wait for launched collectives in launch order; resume each to copy results out."""

@@ -665,49 +665,81 @@ def reuse():
 
 
 def interrupted():
-    """A KeyboardInterrupt (Ctrl-C) reaches rank 0's caller while it polls its round: a
-    blocking allreduce and a blocking grouped one on the express lane (express,
-    express_many), and an asynchronous allreduce whose caller drives its round in enqueue
-    (_drive_inline). The caller gets it, and the round it left still ends (engine._left_lane),
-    so both ranks go on reducing the same names right, with no hang and no name left taken.
-    On the code before, the job hung at the next call."""
+    """A KeyboardInterrupt (Ctrl-C) reaches rank 0's caller while it polls, on its own thread:
+    - its round (steady.TransportRound.advance): a blocking allreduce and a blocking grouped
+      one on the express lane (express, express_many), and an asynchronous allreduce whose
+      caller drives its round in enqueue (_drive_inline);
+    - its transfer (Engine._poll_inline): a blocking average too large for the round's
+      payload (the express lane's data path; the division follows the transfer) and a blocking
+      broadcast (_execute, run from the caller's drive).
+    The caller gets it; the round or the collective it left still ends (engine._left_lane,
+    _left_transfer), the interrupted tensor gets its result, and both ranks go on reducing the
+    same names right, with no hang and no name left taken. On the code before, the job hung at
+    the next call in each case."""
     from hvdlite.common import steady
-    advance = steady.TransportRound.advance
-    armed = []
+    advance, poll = steady.TransportRound.advance, engine.Engine.__dict__["_poll_inline"]
+    armed = {}
 
-    def interrupting(self):
-        if armed and threading.current_thread() is threading.main_thread():
-            armed.clear()
-            raise KeyboardInterrupt("injected: Ctrl-C while polling the round")
+    def interrupting(where):
+        def raise_once():
+            if armed.pop(where, False) and \
+                    threading.current_thread() is threading.main_thread():
+                raise KeyboardInterrupt(f"injected: Ctrl-C while polling the {where}")
+        return raise_once
+
+    at_round, at_transfer = interrupting("round"), interrupting("transfer")
+
+    def advancing(self):
+        at_round()
         return advance(self)
 
+    def polling(gen, box, poll_s):
+        at_transfer()
+        return poll.__func__(gen, box, poll_s)
+
     def one(k, how):
-        xs = [gen(rank, (n,), torch.float32, salt=("ki", how, k, n)) for n in (40, 3)]
-        want = [sum(gen(r, x.shape, torch.float32, salt=("ki", how, k, x.numel()))
-                    for r in range(size)) for x in xs]
+        def made(r, n):
+            return gen(r, (n,), torch.float32, salt=("ki", how, k, n))
+        sizes = {"grouped": (40, 3), "big": (100_000,), "broadcast": (100_000,)}.get(how, (40,))
+        xs = [made(rank, n) for n in sizes]
+        if how == "broadcast":
+            return (lambda: hvd.broadcast_(xs[0], 1, name="r.ki.b")), xs, [made(1, sizes[0])]
+        want = [sum(made(r, n) for r in range(size)) for n in sizes]
         if how == "grouped":
             return (lambda: hvd.grouped_allreduce_(xs, name="r.ki.g", op=hvd.Sum)), xs, want
         if how == "async":
             return (lambda: hvd.synchronize(hvd.allreduce_async_(xs[0], name="r.ki.a",
-                                                                 op=hvd.Sum))), xs[:1], want[:1]
-        return (lambda: hvd.allreduce_(xs[0], name="r.ki", op=hvd.Sum)), xs[:1], want[:1]
+                                                                 op=hvd.Sum))), xs, want
+        if how == "big":         # (an average: the division follows the transfer)
+            return (lambda: hvd.allreduce_(xs[0], name="r.ki.big")), xs, [want[0] / size]
+        return (lambda: hvd.allreduce_(xs[0], name="r.ki", op=hvd.Sum)), xs, want
 
-    steady.TransportRound.advance = interrupting
+    steady.TransportRound.advance = advancing
+    engine.Engine._poll_inline = staticmethod(polling)
     try:
-        for how in ("one", "grouped", "async"):
+        for how in ("one", "grouped", "async", "big", "broadcast"):
+            where = "transfer" if how in ("big", "broadcast") else "round"
+            left = None
             for k in range(12):
                 call, xs, want = one(k, how)
                 interrupt = rank == 0 and k == 6
                 hvd.allreduce(torch.zeros(1), name="r.ki.sync")
-                if rank == 1 and k == 6:
+                if rank == 1 and k == 6 and where == "round":
                     time.sleep(0.05)              # rank 0 is polling when the interrupt comes
                 before = counters()
-                armed[:] = [True] if interrupt else []
+                if interrupt:
+                    armed[where] = True
                 try:
-                    call()
+                    # (The transfer is polled by the caller only where the round ended within
+                    # the caller's window: 2 s here, so that a descheduled peer still makes it.)
+                    with long_spin() if where == "transfer" else contextlib.nullcontext(), \
+                            engine_windows(BLOCKING_POLL_S=2.0 if where == "transfer" else
+                                           engine.BLOCKING_POLL_S):
+                        call()
                 except KeyboardInterrupt:
                     if not interrupt:
                         raise
+                    left = (xs, want)
                 else:
                     if interrupt:
                         fail(f"the injected interrupt never came ({how}, step {k})")
@@ -717,11 +749,15 @@ def interrupted():
                     continue
                 # (Blocking calls poll for BLOCKING_POLL_S; an asynchronous one only for the
                 # spin window, which a descheduled peer may miss.)
-                if k > 6 and rank == 0 and how != "async" \
+                if k > 6 and rank == 0 and how in ("one", "grouped", "big") \
                         and counters()["express"] == before["express"]:
                     fail(f"the express lane stayed shut after the interrupt ({how}): step {k}")
+            if left is not None:
+                for x, w in zip(*left):
+                    same(x, w, f"the interrupted call's result ({how})")
     finally:
         steady.TransportRound.advance = advance
+        engine.Engine._poll_inline = poll
 
 
 check("inline", inline)
