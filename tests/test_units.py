@@ -127,24 +127,62 @@ def test_inline_poll_finishes_quick_work_and_hands_over_slow_work():
             yield w
             steps.append(w)
 
+    def boxed(g):
+        return [next(g)]
+
     quick = [_Work(3), _Work(2)]                      # two phases, both quick
     g = gen(quick)
-    assert Engine._poll_inline(g, next(g), 1.0) is None
+    assert Engine._poll_inline(g, boxed(g), 1.0) is None
     assert steps == quick and all(w.waited for w in quick)
 
     steps.clear()
-    slow = _Work(10 ** 9)
-    g = gen([slow])
-    assert Engine._poll_inline(g, next(g), 0.001) is slow    # deadline: back to the finisher
-    assert not slow.waited and steps == []
+    first, slow = _Work(1), _Work(10 ** 9)
+    g = gen([first, slow])
+    box = boxed(g)
+    assert Engine._poll_inline(g, box, 0.001) is slow    # deadline: back to the finisher
+    # The box names the work the generator waits on now (what an interrupted caller hands
+    # over: Engine._left_transfer).
+    assert box == [slow] and not slow.waited and steps == [first]
 
     g = gen([_Work(1, RuntimeError("peer gone"))])
     try:
-        Engine._poll_inline(g, next(g), 1.0)
+        Engine._poll_inline(g, boxed(g), 1.0)
     except RuntimeError as exc:
         assert "peer gone" in str(exc)
     else:
         raise AssertionError("a transport error must propagate")
+
+
+def test_handle_wait_interrupted_gives_the_handle_up_once_its_own_timeout_does_not():
+    """An exception from outside the wait (Ctrl-C) hands the handle to the engine's
+    _on_abandon, which frees its names on completion (Engine._orphan); the wait's own
+    TimeoutError leaves the handle usable and its names taken, as documented."""
+    from types import SimpleNamespace
+
+    from hvdlite.common.engine import Entry, Handle
+    h = Handle([Entry(SimpleNamespace(name="t"))])
+    given_up = []
+    h._on_abandon = given_up.append
+    try:
+        h.wait(timeout=0.01)
+    except TimeoutError:
+        pass
+    else:
+        raise AssertionError("an unfinished handle must time out")
+    assert given_up == []
+
+    def interrupt(_handle):
+        raise KeyboardInterrupt
+    h._on_wait = interrupt
+    for _ in range(2):
+        try:
+            h.wait(timeout=0.01)
+        except KeyboardInterrupt:
+            pass
+        except TimeoutError:
+            pass
+        h._on_wait = interrupt
+    assert given_up == [h]                 # once: the hook is spent
 
 
 def test_bucket_planner_cuts_the_last_pass_like_ddp_and_releases_complete_buckets():

@@ -83,7 +83,7 @@ class Handle:
     """Completion of one enqueue call (one or more tensors)."""
 
     __slots__ = ("_latch", "_set", "_pending", "entries", "error", "_lock", "callbacks",
-                 "_release", "mismatch", "_on_wait")
+                 "_release", "mismatch", "_on_wait", "_on_abandon")
 
     def __init__(self, entries: list):
         # Completion: a flag, and a lock held until then that waiters block on. A
@@ -102,6 +102,8 @@ class Handle:
         # Called once when a caller starts waiting (Engine._caller_waits): held-back entries
         # (buckets.py) go at once, and a round over the control connections is read here.
         self._on_wait: Callable[["Handle"], None] | None = None
+        # Called if an exception from outside (Ctrl-C) ends a wait first (Engine._orphan).
+        self._on_abandon: Callable[["Handle"], None] | None = None
 
     def done(self) -> bool:
         return self._set
@@ -186,12 +188,24 @@ class Handle:
         TimeoutError (leaving the handle usable) when `timeout` seconds pass first."""
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         on_wait, self._on_wait = self._on_wait, None
-        if on_wait is not None and not self._set:
-            on_wait(self)
         while True:
-            step = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
-            if self._wait_signal(step):
-                break
+            try:
+                if on_wait is not None:
+                    if not self._set:
+                        on_wait(self)
+                    on_wait = None
+                step = 1.0 if deadline is None else \
+                    min(1.0, max(0.0, deadline - time.monotonic()))
+                if self._wait_signal(step):
+                    break
+            except BaseException:
+                # Not this loop's own errors: a KeyboardInterrupt (Ctrl-C) or a signal
+                # handler's exception. The caller may never wait again, so the names this
+                # handle holds must free when it completes, not at a wait (Engine._orphan).
+                abandon, self._on_abandon = self._on_abandon, None
+                if abandon is not None:
+                    abandon(self)
+                raise
             if alive is not None and not alive():
                 if not self._set:
                     raise HorovodInternalError(
@@ -416,6 +430,7 @@ class Engine:
             tags = dict(self.epochs) if direct else None
             self._reserved.update(keys)
             handle._release = lambda: self._unreserve(keys)
+            handle._on_abandon = self._orphan
             if self.steady:
                 handle._on_wait = self._caller_waits
             for key, e in zip(keys, entries):
@@ -740,6 +755,7 @@ class Engine:
             for e in entries:
                 e.handle = handle
             handle._release = lambda: self._unreserve(keys)
+            handle._on_abandon = self._orphan
             if seq < 0:
                 for key, e in zip(keys, entries):
                     self._inflight[key] = e

@@ -671,13 +671,16 @@ def interrupted():
       caller drives its round in enqueue (_drive_inline);
     - its transfer (Engine._poll_inline): a blocking average too large for the round's
       payload (the express lane's data path; the division follows the transfer) and a blocking
-      broadcast (_execute, run from the caller's drive).
+      broadcast (_execute, run from the caller's drive);
+    - its wait for the handle (Handle.wait), after the lane handed the call to the general path
+      (the peer 0.3 s late): a case for every transport, since any blocking call may wait so.
     The caller gets it; the round or the collective it left still ends (engine._left_lane,
     _left_transfer), the interrupted tensor gets its result, and both ranks go on reducing the
     same names right, with no hang and no name left taken. On the code before, the job hung at
     the next call in each case."""
     from hvdlite.common import steady
     advance, poll = steady.TransportRound.advance, engine.Engine.__dict__["_poll_inline"]
+    wait_signal = engine.Handle._wait_signal
     armed = {}
 
     def interrupting(where):
@@ -688,6 +691,11 @@ def interrupted():
         return raise_once
 
     at_round, at_transfer = interrupting("round"), interrupting("transfer")
+    at_wait = interrupting("wait")
+
+    def waiting(self, timeout):
+        at_wait()
+        return wait_signal(self, timeout)
 
     def advancing(self):
         at_round()
@@ -712,20 +720,22 @@ def interrupted():
                                                                  op=hvd.Sum))), xs, want
         if how == "big":         # (an average: the division follows the transfer)
             return (lambda: hvd.allreduce_(xs[0], name="r.ki.big")), xs, [want[0] / size]
-        return (lambda: hvd.allreduce_(xs[0], name="r.ki", op=hvd.Sum)), xs, want
+        return (lambda: hvd.allreduce_(xs[0], name=f"r.ki.{how}", op=hvd.Sum)), xs, want
 
     steady.TransportRound.advance = advancing
     engine.Engine._poll_inline = staticmethod(polling)
+    engine.Handle._wait_signal = waiting
     try:
-        for how in ("one", "grouped", "async", "big", "broadcast"):
-            where = "transfer" if how in ("big", "broadcast") else "round"
+        for how in ("one", "grouped", "async", "big", "broadcast", "wait"):
+            where = {"big": "transfer", "broadcast": "transfer", "wait": "wait"}.get(how, "round")
             left = None
             for k in range(12):
                 call, xs, want = one(k, how)
                 interrupt = rank == 0 and k == 6
                 hvd.allreduce(torch.zeros(1), name="r.ki.sync")
-                if rank == 1 and k == 6 and where == "round":
-                    time.sleep(0.05)              # rank 0 is polling when the interrupt comes
+                if rank == 1 and k == 6 and where != "transfer":
+                    # Rank 0 is polling (or, 0.3 s late, waiting) when the interrupt comes.
+                    time.sleep(0.3 if where == "wait" else 0.05)
                 before = counters()
                 if interrupt:
                     armed[where] = True
@@ -758,6 +768,7 @@ def interrupted():
     finally:
         steady.TransportRound.advance = advance
         engine.Engine._poll_inline = poll
+        engine.Handle._wait_signal = wait_signal
 
 
 check("inline", inline)
