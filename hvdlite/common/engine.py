@@ -19,6 +19,15 @@ queue or the bucket planner, and returns with the result; only where the general
 take over does the entry get a handle and a place in the engine's tables (_attach). A blocking
 call of several small float32 tensors that the round can carry (a grouped call of metrics)
 takes the same lane (express_many).
+
+Callers run rounds and collectives on their own threads (the express lane, _drive_inline), so an
+exception from outside the engine (Ctrl-C, a signal handler's) can land there, most likely while
+they poll. The rule: what a caller leaves, the engine finishes, as every other rank does its
+part. A round goes to the round waiter and its entries to the general path (_left_lane), a
+transfer to the finisher (_left_transfer), and a wait gives its handle up (Handle.wait): the
+handle's names free when it completes, and a new call of one of them waits for it (_orphan).
+Only a collective interrupted inside its own steps, which cannot be resumed, fails the job on
+every rank, as a transport error does.
 """
 from __future__ import annotations
 
