@@ -166,12 +166,31 @@ def test_fused_allreduce_in_place_members():
     of place, Average/Sum/Max, pre/postscale, float16, int32, grouped), also in the steady
     state, with the async fusion checks beside them."""
     from util import Run
+    # (HVDLITE_MPI_SHM_MIN_MB=0: MPI for all. Otherwise fused allreduces of 256 KiB and more
+    # take the shared-memory channel, test_fused_allreduces_take_the_channel.)
     run = Run("ops_fusion.py", 2, args=["big_and_small_members", "many_async_allreduces",
                                         "steady_state_all_ops"],
               env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "5",
-                   "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "10"},
+                   "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "10",
+                   "HVDLITE_MPI_SHM_MIN_MB": "0"},
               timeout=120, launcher_args=["--mpi"])
     for name in ("big_and_small_members", "many_async_allreduces", "steady_state_all_ops"):
+        run.check(name)
+    run.finished()
+
+
+@pytest.mark.timeout(150)
+def test_fused_allreduces_take_the_channel():
+    """With waits that spin, a fused allreduce of 256 KiB or more (backends/mpi.FUSED_MIN_BYTES)
+    goes through the shared-memory channel, on both ranks alike even where one rank's output
+    is not contiguous; the in-place members' path and the async fusion checks still hold
+    beside it, exact (workers/ops_fusion.py)."""
+    from util import Run
+    run = Run("ops_fusion.py", 2, args=["fused_through_the_channel", "many_async_allreduces"],
+              env={"HVDLITE_MPI_WAIT": "spin", "HOROVOD_STALL_CHECK_TIME_SECONDS": "5",
+                   "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "10"},
+              timeout=120, launcher_args=["--mpi"])
+    for name in ("fused_through_the_channel", "many_async_allreduces"):
         run.check(name)
     run.finished()
 

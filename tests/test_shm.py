@@ -133,6 +133,25 @@ def _pair(monkeypatch, timeout_s: float) -> list:
     return channels
 
 
+def _as_ranks(fn, size: int = 2) -> list:
+    """Run fn(r) for each rank r on a thread of its own (the ranks of _pair's channels); the
+    exceptions they raised."""
+    errors = []
+
+    def run(r):
+        try:
+            fn(r)
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return errors
+
+
 def _pair_asking(monkeypatch, asks: list) -> list:
     """_pair, with rank r's HVDLITE_SHM_CHUNK_MB read as asks[r] (bytes, or None for auto):
     the two ranks are threads of this process, so one environment cannot differ between them."""
@@ -248,6 +267,43 @@ def test_a_late_peer_hands_the_collective_to_the_worker(monkeypatch):
             c.close()
 
 
+@pytest.mark.timeout(120)
+def test_fused_allreduce_reads_its_own_part_from_large_inputs_and_copies_small_ones(monkeypatch):
+    """A fused allreduce that is not prescaled: where a rank's own part of a chunk lies in
+    inputs of OWN_PIECE_BYTES or more on average it is reduced from them input by input, else
+    the chunk is copied into the slot whole and the part reduced in one call; the results go
+    out through multi-tensor copies (flat.unpack), an integer postscale part by part, a None
+    output (a joined rank's) is dropped. Chunks of 256 KiB, so members straddle them. Every
+    result equals the sum computed here, bit for bit."""
+    channels = _pair(monkeypatch, 30.0)
+    try:
+        for c in channels:
+            c.chunk = 256 << 10
+        cases = [("large", torch.float32, [70_000, 90_000, 5, 130_000], 1.0),
+                 ("small", torch.float32, [300 + 37 * k for k in range(60)], 1.0),
+                 ("mixed", torch.float64, [3, 40_000, 11, 2, 25_000, 1], 0.5),
+                 ("ints", torch.int32, [1000 * k + 1 for k in range(1, 30)], 3.0)]
+        for label, dtype, counts, post in cases:
+            ins = [[(torch.arange(n, dtype=torch.float64) * (r + 1) + k).to(dtype)
+                    for k, n in enumerate(counts)] for r in range(2)]
+            outs = [[torch.zeros(n, dtype=dtype) for n in counts] for _ in range(2)]
+            outs[1][1] = None                         # rank 1 drops its second result
+            errors = _as_ranks(lambda r: channels[r].allreduce_tensors(
+                ins[r], outs[r], SUM, 1.0, post).wait())
+            assert not errors, (label, errors)
+            for r in range(2):
+                for k, out in enumerate(outs[r]):
+                    if out is None:
+                        continue
+                    want = ins[0][k] + ins[1][k]
+                    want = torch.mul(want, post) if dtype.is_floating_point else \
+                        (want.to(torch.float64) * post).to(dtype)
+                    assert torch.equal(out, want), (label, r, k)
+    finally:
+        for c in channels:
+            c.close()
+
+
 @pytest.mark.timeout(60)
 def test_spinning_waits_in_cache_sized_chunks(monkeypatch):
     """While every rank has a core, the worker's waits spin before they sleep and a large
@@ -271,28 +327,20 @@ def test_spinning_waits_in_cache_sized_chunks(monkeypatch):
         ag_in = [torch.full((n,), r + 1, dtype=torch.int32) for r in range(2)]
         ag_out = [torch.empty(2 * n, dtype=torch.int32) for _ in range(2)]
         bc = [torch.arange(n, dtype=torch.int64) * (1 - r) for r in range(2)]
-        errors = []
 
         def rank(r):
-            try:
-                if r == 1:
-                    time.sleep(0.05)
-                c = channels[r]
-                works = [c.allreduce(ins[r], SUM),
-                         c.allreduce_tensors(fused[r], fused_out[r], SUM, 0.5, 4.0),
-                         c.reducescatter(rs_out[r], rs_in[r], SUM),
-                         c.allgather(ag_out[r], ag_in[r]),
-                         c.broadcast(bc[r], 0)]
-                for w in works:
-                    w.wait()
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
+            if r == 1:
+                time.sleep(0.05)
+            c = channels[r]
+            works = [c.allreduce(ins[r], SUM),
+                     c.allreduce_tensors(fused[r], fused_out[r], SUM, 0.5, 4.0),
+                     c.reducescatter(rs_out[r], rs_in[r], SUM),
+                     c.allgather(ag_out[r], ag_in[r]),
+                     c.broadcast(bc[r], 0)]
+            for w in works:
+                w.wait()
 
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
+        errors = _as_ranks(rank)
         assert not errors, errors
         want = torch.arange(n, dtype=torch.float32) * 3 + 1
         rs_want = (torch.arange(2 * n, dtype=torch.float64) * 2 + 100).view(2, n)

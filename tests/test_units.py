@@ -71,9 +71,9 @@ def test_unpack_matches_a_member_by_member_copy_for_every_float_dtype_and_size(m
     """unpack's one-call views, and its multi-tensor scaling of small members, give the bits a
     member-by-member torch.mul gives: for float32/64 (scaled after the copy when small) and
     16-bit floats (always torch.mul), with skipped, non-contiguous and empty outputs."""
-    from hvdlite.common import collectives
+    from hvdlite.common import collectives, flat
     if views == "loop":                                 # as if torch dropped its helper
-        monkeypatch.setattr(collectives, "_unflatten", None)
+        monkeypatch.setattr(flat, "_unflatten", None)
     g = torch.Generator().manual_seed(0)
     layouts = [[(2, 3), (4,), (), (0,), (5, 1)],        # small members: scaled in one call
                [(300, 100), (7,), (128, 128)]]          # large ones: one torch.mul each

@@ -208,7 +208,53 @@ def big_and_small_members(iters: int = 6):
         raise AssertionError("no fused response chained its in-place members on MPI")
 
 
+def fused_through_the_channel(iters: int = 6):
+    """On MPI with ranks that spin, a fused allreduce of two tensors or more and of at least
+    backends/mpi.FUSED_MIN_BYTES goes through hvdlite's shared-memory channel (a single tensor
+    of that size stays with MPI): a grouped call and a step of async calls, Sum and Average
+    with pre- and postscale, float16 among them, exact every iteration. Rank 1 passes one
+    output that is not contiguous (a transposed view): it is staged, so both ranks still take
+    the channel (routed apart, they would wait on two transports), and the result lands in
+    the view."""
+    from hvdlite.common import ops
+    from hvdlite.common.backends import mpi as mpi_backend
+    channel_before = basics.engine_counters()["shm_collectives"]
+    shapes = [(64, 300), (20000,), (5,), (300, 64), (9000,)]
+    for it in range(iters):
+        xs = [gen(rank, s, torch.float32, ("ch", k, it)) for k, s in enumerate(shapes)]
+        refs = [reduce_ref(all_inputs(size, s, torch.float32, ("ch", k, it)), hvd.Average)
+                for k, s in enumerate(shapes)]
+        # (Through the op layer: the torch frontend's in-place calls refuse a tensor that is
+        # not contiguous, but an optimizer's channels_last gradient reaches here as one.)
+        outs = [torch.empty(s) for s in shapes]
+        if rank == 1:
+            outs[3] = torch.empty(tuple(reversed(shapes[3]))).t()
+        ops.allreduce(xs, names="ch.group", group=True, outputs=outs).wait()
+        for k, (x, ref) in enumerate(zip(outs, refs)):
+            same(x, ref, f"iteration {it} grouped [{k}]")
+        specs = [((40000,), torch.float32, hvd.Sum, 0.5, 4.0), ((30000,), torch.float16,
+                                                                  hvd.Sum, 1.0, 1.0),
+                 ((7, 3), torch.float32, hvd.Average, 1.0, 1.0)]
+        handles = []
+        for k, (shape, dtype, op, pre, post) in enumerate(specs):
+            x = gen(rank, shape, dtype, ("cha", k, it))
+            ref = reduce_ref(all_inputs(size, shape, dtype, ("cha", k, it)), op, pre, post)
+            handles.append((k, hvd.allreduce_async_(x, name=f"cha.{k}", op=op,
+                                                    prescale_factor=pre,
+                                                    postscale_factor=post), x, ref))
+        for k, h, x, ref in handles:
+            hvd.synchronize(h)
+            same(x, ref, f"iteration {it} async [{k}]")
+    used = basics.engine_counters()["shm_collectives"] - channel_before
+    comm = basics.engine().comms[(0, "cpu")]
+    if getattr(comm, "shm_fused_min_bytes", 0) != mpi_backend.FUSED_MIN_BYTES:
+        raise AssertionError(f"the fused route's threshold is {comm.shm_fused_min_bytes}")
+    if used < iters:
+        raise AssertionError(f"only {used} collectives of {iters} grouped calls took the channel")
+
+
 CHECKS = {
+    "fused_through_the_channel": fused_through_the_channel,
     "big_and_small_members": big_and_small_members,
     "many_async_allreduces": lambda: many_async_allreduces(ITERS + 2, False),
     "many_async_allreduces_mixed_order": lambda: many_async_allreduces(3, True),

@@ -68,6 +68,22 @@ def fused_in_place_and_scaled():
                          pre=0.5, post=4.0)
         same(x, ref, f"in-place fused {shape}")
         same(got, ref, f"fused result {shape}")
+    # Not prescaled: each rank's own part of a chunk is read from the inputs where they are
+    # large there, else the chunk is copied in whole and reduced in one call (shm.py,
+    # OWN_PIECE_BYTES; 4 KiB slots here, so members straddle chunks either way); the results
+    # go out through multi-tensor copies, and an integer postscale part by part.
+    for dtype, post in ((torch.float32, 1.0), (torch.float64, 0.25), (torch.int32, 3.0)):
+        shapes = [(3,), (1000,), (7, 7), (1,), (2500,), (40, 50)]
+        handles = []
+        for i, shape in enumerate(shapes):
+            x = gen(rank, shape, dtype, salt=("own", dtype, i))
+            handles.append((shape, i, hvd.allreduce_async_(
+                x, op=hvd.Sum, name=f"own.{dtype}.{i}", postscale_factor=post), x))
+        for shape, i, h, x in handles:
+            hvd.synchronize(h)
+            ref = reduce_ref(all_inputs(size, shape, dtype, salt=("own", dtype, i)), hvd.Sum,
+                             post=post)
+            same(x, ref, f"fused, not prescaled, {dtype} x{post} {shape}")
 
 
 def reducescatter():

@@ -67,6 +67,7 @@ from ..threads import local_ranks, usable_cores
 from ..messages import MAX, MIN, PRODUCT, SUM
 from ..protocol import INLINE_FLOATS    # a round's payload (ShmAgreement)
 from ..arith import copy_scaled, reduce_in_order, scale_
+from ..flat import unpack
 
 log = logging.getLogger(__name__)
 
@@ -709,18 +710,21 @@ class ShmChannel:
             # 1/size of the chunk less, when it is not prescaled. Where that part spans several
             # inputs (a fused allreduce), it is reduced input by input: 100 tensors of 4-256
             # KiB through 8 MiB slots on 2 ranks, 3.8-3.9 ms a call against 4.9 copying it all.
-            own = pre == 1.0 and b > a
+            # Not where those inputs are small (OWN_PIECE_BYTES): a reduction per input costs
+            # ~7 us of Python, more than copying a small input into the slot and reducing the
+            # part in one call.
+            own = pre == 1.0 and b > a and \
+                (b - a) * item >= OWN_PIECE_BYTES * _count(offsets, lo + a, lo + b)
             yield self._end, "allreduce"      # peers finished the previous chunk
             mine = self._view(rank, m * item, dtype)
             if own:
                 for x, y in ((lo, lo + a), (lo + b, lo + m)):
-                    for i, p, q in _pieces(offsets, x, y):
-                        mine[p - lo:q - lo].copy_(ins[i][p - offsets[i]:q - offsets[i]])
+                    if y > x:
+                        _gather(mine[x - lo:y - lo], ins, offsets, x, y)
             elif m == n:
                 torch.cat(ins, out=mine) if len(ins) > 1 else mine.copy_(ins[0])
             else:
-                for i, p, q in _pieces(offsets, lo, lo + m):
-                    mine[p - lo:q - lo].copy_(ins[i][p - offsets[i]:q - offsets[i]])
+                _gather(mine, ins, offsets, lo, lo + m)
             if not own:
                 scale_(mine, pre)
             yield self._publish(), "allreduce (inputs)"
@@ -735,9 +739,7 @@ class ShmChannel:
                         parts[rank] = ins[i][p - offsets[i]:q - offsets[i]]
                         reduce_in_order(fn, parts, res[p - lo:q - lo])
             yield self._publish(), "allreduce (reduction)"
-            for i, a, b in _pieces(offsets, lo, lo + m):
-                if outs[i] is not None:
-                    copy_scaled(outs[i][a - offsets[i]:b - offsets[i]], res[a - lo:b - lo], post)
+            _scatter(res[:m], outs, offsets, lo, lo + m, post)
             self._end_chunk()
 
     def _allreduce_direct(self, ins: list, outs: list, fn: Callable, pre: float, post: float,
@@ -758,9 +760,7 @@ class ShmChannel:
         self._end_chunk()
         scale_(dst, post)
         if not one:
-            for i, a, b in _pieces(offsets, 0, n):
-                if outs[i] is not None:
-                    outs[i].copy_(dst[a:b])
+            unpack(dst, outs, [offsets[i + 1] - offsets[i] for i in range(len(outs))])
 
     def _reducescatter(self, output: torch.Tensor, flat: torch.Tensor, fn: Callable) -> Waits:
         size, rank = self.size, self.rank
@@ -819,6 +819,62 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8)
 
 
+# A fused allreduce's own part is reduced input by input (ShmChannel._allreduce) only where its
+# inputs there are at least this large on average; smaller ones are copied into the slot and
+# the part reduced in one call.
+OWN_PIECE_BYTES = 64 << 10
+
+
+def _count(offsets: list[int], lo: int, hi: int) -> int:
+    """How many of the consecutive tensors starting at `offsets` the flat range [lo, hi)
+    touches."""
+    return bisect.bisect_left(offsets, hi) - bisect.bisect_right(offsets, lo) + 1
+
+
+def _parts(tensors: list, offsets: list[int], lo: int, hi: int) -> tuple[list, list]:
+    """The indices of the tensors the flat range [lo, hi) touches, and views of their parts in
+    it: the tensors themselves where the range holds them whole (no view to make)."""
+    idx, views = [], []
+    for i, p, q in _pieces(offsets, lo, hi):
+        t = tensors[i]
+        idx.append(i)
+        if t is None:
+            views.append(None)
+        elif p == offsets[i] and q == offsets[i + 1]:
+            views.append(t)
+        else:
+            views.append(t[p - offsets[i]:q - offsets[i]])
+    return idx, views
+
+
+def _gather(dst: torch.Tensor, ins: list, offsets: list[int], lo: int, hi: int) -> None:
+    """dst = the flat range [lo, hi) of the consecutive `ins`, in one copy (torch.cat) where it
+    spans several: a Python-level copy per tensor cost ~3 us each."""
+    views = _parts(ins, offsets, lo, hi)[1]
+    if len(views) == 1:
+        dst.copy_(views[0])
+    else:
+        torch.cat(views, out=dst)
+
+
+def _scatter(src: torch.Tensor, outs: list, offsets: list[int], lo: int, hi: int,
+             post: float) -> None:
+    """Copy `src`, the flat range [lo, hi) of the consecutive outputs `outs` (None: dropped),
+    into them, times `post`: through flat.unpack's multi-tensor copies for floats, one copy
+    per part otherwise. `src` (the shared result area, which the peers still read) is never
+    written; unpack scales integers in its buffer, so those go part by part."""
+    idx, views = _parts(outs, offsets, lo, hi)
+    if post == 1.0 or src.is_floating_point():
+        unpack(src, views, [min(hi, offsets[i + 1]) - max(lo, offsets[i]) for i in idx], post)
+        return
+    at = 0
+    for i, v in zip(idx, views):
+        n = min(hi, offsets[i + 1]) - max(lo, offsets[i])
+        if v is not None:
+            copy_scaled(v, src[at:at + n], post)
+        at += n
+
+
 def _pieces(offsets: list[int], lo: int, hi: int):
     """(tensor index, start, end) of the parts of consecutive tensors (starting at `offsets`)
     that fall in the flat range [lo, hi)."""
@@ -859,6 +915,12 @@ class ShmRouted:
     # for gloo (the channel beats its TCP at every size), MPI's LARGE_MB while its ranks
     # spin (MPICH's own shared memory wins below that size, the channel above it).
     shm_min_bytes: int = 0
+    # A fused allreduce of two tensors or more takes the channel from this many bytes on, even
+    # below shm_min_bytes (0: not below it). MPI sets it while its ranks spin: the channel
+    # copies every member into its slot and out in a few multi-tensor calls, where MPI reduces
+    # the large members one call each and the small ones through the engine's fusion buffer
+    # (backends/mpi.FUSED_MIN_BYTES has the figures).
+    shm_fused_min_bytes: int = 0
 
     @property
     def fuses_in_place(self) -> bool:
@@ -884,10 +946,15 @@ class ShmRouted:
             return None
         # The size first: under MPI most fused batches are below shm_min_bytes, and the sum
         # costs a third of checking every member and output (~0.2 us each: 100 members, 14
-        # against 42 us).
-        if self.shm_min_bytes and \
-                sum(t.numel() * t.element_size() for t in inputs) < self.shm_min_bytes:
-            return None
+        # against 42 us). The rule depends only on the response (sizes and count, the same on
+        # every rank), so every rank routes alike; outputs that are not contiguous, which can
+        # differ between ranks, reach here already staged (collectives.Executor.allreduce).
+        if self.shm_min_bytes:
+            nbytes = sum(t.numel() * t.element_size() for t in inputs)
+            if nbytes < self.shm_min_bytes and not (
+                    len(inputs) > 1 and self.shm_fused_min_bytes
+                    and nbytes >= self.shm_fused_min_bytes):
+                return None
         if not all(self.shm.handles(t, reduce=True) for t in inputs) or \
                 not all(o is None or self.shm.handles(o, reduce=True) for o in outputs):
             return None
