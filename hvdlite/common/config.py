@@ -75,8 +75,10 @@ VARIABLES: tuple[Var, ...] = (
        "yields when a host runs more ranks than cores", choices=("spin", "yield", "auto")),
     _v("MPI_SHM_MIN_MB", "float", 32.0, "MPI ranks on one host whose waits spin move "
        "allreduce, reducescatter, allgather and broadcast data of this size and more through "
-       "hvdlite's shared memory (faster than MPICH's there), smaller ones through MPI; 0: MPI "
-       "for all. The ranks agree: the largest value any rank sets, or 0 if one sets 0", _L),
+       "hvdlite's shared memory (faster than MPICH's there), smaller ones through MPI, except "
+       "fused allreduces of two tensors or more and of min(256 KiB, this) or more, which the "
+       "channel takes too; 0: MPI for all. The ranks agree: the largest value any rank sets, "
+       "or 0 if one sets 0", _L),
     _v("SHM", "str", "auto", "`auto`, `1` or `0`: ranks of a gloo job that share a host move "
        "allreduce, reducescatter, allgather and broadcast data through shared memory (/dev/shm) "
        "instead of TCP loopback, and so do ranks of an MPI job whose waits yield (more ranks "

@@ -550,7 +550,7 @@ class Engine:
                             self._steady_kick(st, max(spin_s, BLOCKING_POLL_S)
                                               if blocking and spin_s else spin_s)
                     except BaseException:
-                        self._left_lane(st, go)
+                        self._left_lane(st, go, False)
                         raise
                     return
             finally:
@@ -678,7 +678,7 @@ class Engine:
                     done = Finished([e], lambda: self._unreserve([key]))
                 return done
             except BaseException:
-                self._left_lane(st, [e])
+                self._left_lane(st, [e], True)
                 raise
             finally:
                 if e.handle is None and done.__class__ is not Finished:
@@ -743,7 +743,7 @@ class Engine:
                 return self._express(st, entries, comm, getattr(comm, "inline_poll_s", 0.0),
                                      True)
             except BaseException:
-                self._left_lane(st, entries)
+                self._left_lane(st, entries, True)
                 raise
             finally:
                 if entries[0].handle is None:
@@ -1396,7 +1396,7 @@ class Engine:
                                        f"hvdlite-rounds-{self.rank}")
         self._waiter.watch(st, rnd)
 
-    def _left_lane(self, st: SteadySet, entries: list) -> None:
+    def _left_lane(self, st: SteadySet, entries: list, detached: bool) -> None:
         """An exception left a caller's own drive of its round (the express lane, or
         _drive_inline) while `entries` were in it: mostly a KeyboardInterrupt, Ctrl-C landing
         while the caller polled the round, where such a caller spends up to BLOCKING_POLL_S.
@@ -1410,9 +1410,14 @@ class Engine:
         detached entries (express, express_many) get a handle for that, and one nobody will
         wait on: their names are free again once it completes (_orphan). Detached entries
         whose round never started leave the set, as if never submitted; entries the round has
-        released already are finished or failed with their caller."""
+        released already are finished or failed with their caller. `detached`: the entries
+        came from express() or express_many(), so a handle they have by now (_attach) never
+        reached the caller either."""
         rnd = st.round
-        if entries and entries[0].handle is None and entries[0].result is None:
+        first = entries[0] if entries else None
+        if detached and first is not None and first.handle is not None:
+            self._orphan(first.handle)
+        elif detached and first is not None and first.result is None:
             if not any(st.pending.get(e.sent_bit) is e for e in entries):
                 return
             if rnd is None:
