@@ -22,7 +22,7 @@ from . import adasum as _adasum
 from .messages import (ADASUM, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BROADCAST,
                        REDUCESCATTER, SUM, Response)
 from .arith import scale_
-from .flat import pack, unpack  # noqa: F401 (collectives.pack/unpack: the executor's)
+from .flat import pack, unpack
 
 DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
           "int64": torch.int64, "float16": torch.float16, "bfloat16": torch.bfloat16,

@@ -700,7 +700,8 @@ class ShmChannel:
         for c in counts:
             offsets.append(offsets[-1] + c)
         if n * item <= min(DIRECT_BYTES, self.slot):
-            yield from self._allreduce_direct(ins, outs, fn, pre, post, offsets, dtype, item)
+            yield from self._allreduce_direct(ins, outs, fn, pre, post, counts, offsets,
+                                              dtype, item)
             return
         for lo in range(0, n, per):
             m = min(per, n - lo)
@@ -743,7 +744,8 @@ class ShmChannel:
             self._end_chunk()
 
     def _allreduce_direct(self, ins: list, outs: list, fn: Callable, pre: float, post: float,
-                          offsets: list, dtype: torch.dtype, item: int) -> Waits:
+                          counts: list, offsets: list, dtype: torch.dtype,
+                          item: int) -> Waits:
         """A small allreduce in one chunk, where every rank reduces all of it into its own
         outputs: one wait for the peers instead of two (the result area's phase), which is most
         of a small collective's time. Every rank adds the slots in the same order, so all get
@@ -760,7 +762,7 @@ class ShmChannel:
         self._end_chunk()
         scale_(dst, post)
         if not one:
-            unpack(dst, outs, [offsets[i + 1] - offsets[i] for i in range(len(outs))])
+            unpack(dst, outs, counts)
 
     def _reducescatter(self, output: torch.Tensor, flat: torch.Tensor, fn: Callable) -> Waits:
         size, rank = self.size, self.rank
