@@ -15,6 +15,9 @@ Worker: tests/workers/steady_state.py, one `CHECK <name> OK|FAIL` line per check
   raises today's mismatch error on every rank; the job returns to the steady state;
 - join: uneven inputs with hvd.join() across the steady state;
 - process_set: a static set [0, 1] reaches its own steady state beside the global one;
+- interrupted_reading (rounds over the control connections): a real SIGINT while rank 0's
+  caller applies a peer's round message (engine.Engine._read_peers) raises KeyboardInterrupt
+  once the message is applied (interrupts.py); the job goes on, with exact results;
 - one-member sets (workers/steady_solo.py): a one-rank job, and a set of one rank beside the
   global set, release cached tensors on the caller's thread.
 On MPI, and on gloo's shared-memory path (the default on one host) while every rank has a
@@ -56,8 +59,11 @@ def test_steady_state_gloo_finished(gloo_run):
 
 @pytest.mark.timeout(180)
 def test_steady_state_gloo_control_connections():
-    """Without shared memory, rounds go over the control connections between the ranks."""
-    _all_checks(Run("steady_state.py", 3, env={"HVDLITE_SHM": "0"}, timeout=150), CHECKS)
+    """Without shared memory, rounds go over the control connections between the ranks; a
+    Ctrl-C while a caller applies a peer's round message comes out once it is applied
+    (interrupted_reading)."""
+    _all_checks(Run("steady_state.py", 3, env={"HVDLITE_SHM": "0"}, timeout=150),
+                CHECKS + ["interrupted_reading"])
 
 
 def _mpi(script: str, np: int, args=None, env=None) -> Run:

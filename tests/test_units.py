@@ -153,6 +153,54 @@ def test_inline_poll_finishes_quick_work_and_hands_over_slow_work():
         raise AssertionError("a transport error must propagate")
 
 
+def test_a_signal_during_a_hold_comes_out_at_its_release(monkeypatch):
+    """interrupts.hold/release (engine.Engine._read_peers applies a peer's messages inside
+    one): a real SIGINT sent inside a hold raises nothing there and KeyboardInterrupt at the
+    last release; outside a hold it raises at once as before; a handler installed later is
+    wrapped by the next hold; unwrap() puts the handlers back; off the main thread a hold is
+    a no-op."""
+    import os
+    import signal
+    import threading
+
+    from hvdlite.common import interrupts
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        assert interrupts.hold()
+        assert interrupts.hold()                       # nested
+        os.kill(os.getpid(), signal.SIGINT)
+        steps = [1, 2, 3]                              # (bytecodes: the handler ran, deferred)
+        interrupts.release()                           # the inner one: still held
+        with pytest.raises(KeyboardInterrupt):
+            interrupts.release()
+        assert steps == [1, 2, 3]
+        # Outside a hold the wrapped handler runs at once.
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(100):
+                pass
+        # A handler installed since is wrapped by a later hold (RECHECK_S: at once here), and
+        # runs at the release.
+        monkeypatch.setattr(interrupts, "RECHECK_S", 0.0)
+        seen = []
+        signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+        assert interrupts.hold()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert seen == []
+        interrupts.release()
+        assert seen == [signal.SIGINT]
+        interrupts.unwrap()
+        assert signal.getsignal(signal.SIGINT).__class__ is not interrupts._Wrapper
+        off_main = []
+        t = threading.Thread(target=lambda: off_main.append(interrupts.hold()))
+        t.start()
+        t.join()
+        assert off_main == [False]
+    finally:
+        interrupts.unwrap()
+        signal.signal(signal.SIGINT, before)
+
+
 def test_handle_wait_interrupted_gives_the_handle_up_once_its_own_timeout_does_not():
     """An exception from outside the wait (Ctrl-C) hands the handle to the engine's
     _on_abandon, which frees its names on completion (Engine._orphan); the wait's own

@@ -26,7 +26,8 @@ they poll. The rule: what a caller leaves, the engine finishes, as every other r
 part. A round goes to the round waiter and its entries to the general path (_left_lane), a
 transfer to the finisher (_left_transfer), and a wait gives its handle up (Handle.wait): the
 handle's names free when it completes, and a new call of one of them waits for it (_orphan).
-Only a collective interrupted inside its own steps, which cannot be resumed, fails the job on
+A caller that applies the peers' round messages itself (_read_peers) holds signals back while
+it does (interrupts.py): a message read off its socket is always applied. Only a collective interrupted inside its own steps, which cannot be resumed, fails the job on
 every rank, as a transport error does.
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import collectives, rendezvous
+from . import collectives, interrupts, rendezvous
 from .exceptions import HorovodInternalError, HorovodMismatchError
 from .flight_recorder import RECORDER, dump, dump_async
 from .backends.base import DONE
@@ -611,7 +612,14 @@ class Engine:
                         poller.unregister(fd)
                         continue
                     self.counters["caller_reads"] += 1
-                    self._on_peer_readable(ch)
+                    # Read and applied whole, or not at all: a signal's exception (Ctrl-C)
+                    # comes out once the messages are applied (interrupts.py says why).
+                    held = interrupts.hold()
+                    try:
+                        self._on_peer_readable(ch)
+                    finally:
+                        if held:
+                            interrupts.release()
         finally:
             self._drive.release()
 
@@ -986,6 +994,7 @@ class Engine:
         for comm in self.comms.values():
             comm.close()
         self.comms.clear()
+        interrupts.unwrap()               # (the signal handlers _read_peers wrapped)
 
     # ------------------------------------------------------------------ background thread
     def _run(self) -> None:

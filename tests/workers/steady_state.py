@@ -3,11 +3,14 @@
 Steps of named collectives reach the steady state; from then on, cached tensors are released
 without messages to the coordinator (engine counters). A changed shape falls back to full
 negotiation with today's error; join and a process set keep working. Results are compared with
-a reference computed locally from every rank's input.
+a reference computed locally from every rank's input. Where the rounds go over the control
+connections, a real SIGINT while rank 0's caller applies a peer's round message must not lose
+the message (interrupted_reading).
 """
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 
 import torch
@@ -419,6 +422,63 @@ def payloads():
             same(hvd.synchronize(hs[n]), sum(xs[n]), f"crossed {n} step {k}")
 
 
+def interrupted_reading():
+    """A real SIGINT (Ctrl-C) reaches rank 0 while its caller applies a peer's round message it
+    has just read (engine.Engine._read_peers, rounds over the control connections): the
+    KeyboardInterrupt comes out of the wait once the message is applied (interrupts.py), the
+    interrupted call still gets its result, and every rank goes on reducing the same name
+    right. Before, the interrupt landed between reading the message and applying it: the
+    message was lost, rank 0's round never ended, and every rank hung at the next call."""
+    import os
+    import signal
+
+    from hvdlite.common import engine
+    apply = engine.Engine._on_steady_msg
+    armed = []
+
+    def interrupting(self, msg):
+        if armed and threading.current_thread() is threading.main_thread():
+            armed.pop()
+            os.kill(os.getpid(), signal.SIGINT)      # its handler runs at the next bytecode
+        return apply(self, msg)
+
+    def made(r, k):
+        return gen(r, (40,), torch.float32, salt=("ir", k))
+
+    engine.Engine._on_steady_msg = interrupting
+    try:
+        left, reads = None, counters()["caller_reads"]
+        for k in range(300):
+            x = made(rank, k)
+            want = sum(made(r, k) for r in range(size))
+            # In step, and all stop 6 steps after the interrupt; the peers then come a moment
+            # later, so that rank 0 waits and reads their answer itself.
+            done = rank == 0 and left is not None and k >= left[0] + 6
+            if hvd.allreduce(torch.tensor([float(done)]), name="ir.sync", op=hvd.Sum).item():
+                break
+            if rank != 0:
+                time.sleep(0.0005)
+            elif left is None and k >= 4:
+                armed[:] = [True]
+            try:
+                hvd.allreduce_(x, name="ir.x", op=hvd.Sum)
+            except KeyboardInterrupt:
+                if rank != 0 or left is not None:
+                    raise
+                left, armed[:] = (k, x, want), []
+                continue
+            armed[:] = []                  # (the background thread applied them this time)
+            same(x, want, f"step {k}")
+        if rank == 0:
+            if left is None:
+                fail(f"the caller never applied a peer's message while armed "
+                     f"({counters()['caller_reads'] - reads} caller reads)")
+            else:
+                same(left[1], left[2], f"the interrupted call's result (step {left[0]})")
+    finally:
+        engine.Engine._on_steady_msg = apply
+
+
 check("steady_hits", steady_hits)
 check("payloads", payloads)
 check("buckets", buckets)
@@ -428,6 +488,8 @@ check("unnamed", unnamed)
 check("changed_shape", changed_shape)
 check("join", join_uneven)
 check("process_set", process_set)
+if getattr(basics._state.engine.steady.get(0), "over_peers", False):   # (rounds over peers)
+    check("interrupted_reading", interrupted_reading)
 print("COUNTERS", counters(), flush=True)
 finish()
 hvd.shutdown()
