@@ -164,17 +164,19 @@ def test_fused_allreduce_in_place_members():
     """A fused allreduce on MPI reduces its members of 64 KiB or more in place, one call each,
     and the rest through the fusion buffer: exact results for every kind of member (in and out
     of place, Average/Sum/Max, pre/postscale, float16, int32, grouped), also in the steady
-    state, with the async fusion checks beside them."""
+    state, with the async fusion checks beside them; a lone allreduce into an output that is
+    not contiguous on one rank only reduces right (it used to give a wrong sum)."""
     from util import Run
     # (HVDLITE_MPI_SHM_MIN_MB=0: MPI for all. Otherwise fused allreduces of 256 KiB and more
     # take the shared-memory channel, test_fused_allreduces_take_the_channel.)
     run = Run("ops_fusion.py", 2, args=["big_and_small_members", "many_async_allreduces",
-                                        "steady_state_all_ops"],
+                                        "steady_state_all_ops", "lone_output_not_contiguous"],
               env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "5",
                    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "10",
                    "HVDLITE_MPI_SHM_MIN_MB": "0"},
               timeout=120, launcher_args=["--mpi"])
-    for name in ("big_and_small_members", "many_async_allreduces", "steady_state_all_ops"):
+    for name in ("big_and_small_members", "many_async_allreduces", "steady_state_all_ops",
+                 "lone_output_not_contiguous"):
         run.check(name)
     run.finished()
 

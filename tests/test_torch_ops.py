@@ -62,7 +62,7 @@ FUSION_CONFIGS = {
 }
 FUSION_CHECKS = ["big_and_small_members", "many_async_allreduces",
                  "many_async_allreduces_mixed_order", "steady_state_all_ops",
-                 "many_async_mixed_ops", "sync_loop_shape_change"]
+                 "many_async_mixed_ops", "sync_loop_shape_change", "lone_output_not_contiguous"]
 
 
 @pytest.fixture(scope="module", params=list(FUSION_CONFIGS))
@@ -86,6 +86,17 @@ def test_fusion_and_cache(fusion, name):
     then a shape change under the same name); every kind of named collective in steady state
     with changing parameters; exact results under every fusion/cache setting."""
     fusion.check(name)
+
+
+@pytest.mark.timeout(150)
+def test_lone_output_not_contiguous_over_tcp():
+    """A lone allreduce into an output that is not contiguous on one rank only reduces right
+    over gloo's own TCP path too (HVDLITE_SHM=0), where it used to give both ranks a wrong sum
+    (workers/ops_fusion.py)."""
+    run = Run("ops_fusion.py", 2, args=["lone_output_not_contiguous"],
+              env={"HVDLITE_SHM": "0"}, timeout=120)
+    run.check("lone_output_not_contiguous")
+    run.finished()
 
 
 # ---------------------------------------------------------------------------- join

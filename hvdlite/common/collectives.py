@@ -89,7 +89,10 @@ def host_buffer(nbytes: int) -> torch.Tensor:
 def _staged_outputs(outputs: list):
     """None when every output is contiguous (or None); else (the outputs with a contiguous
     stand-in for each that is not, the indices of those), for Executor.allreduce."""
-    if all(o is None or o.is_contiguous() for o in outputs):
+    if len(outputs) == 1:                  # (a lone tensor's check, without a generator)
+        if outputs[0] is None or outputs[0].is_contiguous():
+            return None
+    elif all(o is None or o.is_contiguous() for o in outputs):
         return None
     out, at = list(outputs), []
     for i, o in enumerate(outputs):
@@ -97,6 +100,13 @@ def _staged_outputs(outputs: list):
             out[i] = torch.empty(o.shape, dtype=o.dtype, device=o.device)
             at.append(i)
     return out, at
+
+
+def _unstage(outputs: list, staged) -> None:
+    """Copy the stand-ins of _staged_outputs back into the outputs they stood in for."""
+    if staged is not None:
+        for i in staged[1]:
+            outputs[i].copy_(staged[0][i])
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -283,29 +293,33 @@ class Executor:
                 scale_(out, post)
             return
         direct = getattr(comm, "allreduce_tensors", None)
+        lone = len(inputs) == 1
+        # An output that is not contiguous is reduced into a contiguous stand-in and copied
+        # back, on the two routes below that reduce in the outputs' own memory: contiguity is
+        # this rank's own, and every rank must route the response alike and make the same
+        # transport calls. (A lone one passed on as it was went to the channel's fallback on
+        # one rank only, and both waited until the transport's timeout; over gloo's TCP and
+        # MPI both ranks got a wrong sum.)
+        staged = _staged_outputs(outputs) if direct is not None or lone else None
+        outs = outputs if staged is None else staged[0]
         if direct is not None:
             # The transport copies the tensors in and the results out itself (gloo's shared-
-            # memory path): no fusion buffer, no copy of an input onto its output. An output
-            # that is not contiguous is reduced into a contiguous stand-in and copied back:
-            # contiguity is this rank's own, and every rank must route the response alike (under
-            # MPI the others would otherwise wait on the channel while this one called MPI).
-            staged = _staged_outputs(outputs) if len(outputs) > 1 else None
-            work = direct(inputs, outputs if staged is None else staged[0], op,
-                          resp.prescale, post)
+            # memory path): no fusion buffer, no copy of an input onto its output. (Under MPI
+            # a rank routed apart would call MPI while the others waited on the channel.)
+            work = direct(inputs, outs, op, resp.prescale, post)
             if work is not None:
                 self._tl(names, "ALLREDUCE")
                 yield work
-                if staged is not None:
-                    for i in staged[1]:
-                        outputs[i].copy_(staged[0][i])
+                _unstage(outputs, staged)
                 return
-        if len(inputs) == 1 and (outputs[0] is None or _on(comm, outputs[0])):
+        if lone and (outs[0] is None or _on(comm, outs[0])):
             # A lone tensor, reduced in its output; a joined rank's zeros (no output) in
             # themselves, so that it makes the very call the other ranks make: sent to the
             # fusion path instead, it went to MPI's `in_order` communicator from 64 KiB on
             # while the others called on `comm`, and both waited forever.
-            out = inputs[0] if outputs[0] is None else outputs[0]
+            out = inputs[0] if outs[0] is None else outs[0]
             yield from self._reduce_into(comm, inputs[0], out, op, resp.prescale, post, names)
+            _unstage(outputs, staged)
             return
         itemsize = torch.empty((), dtype=dtype).element_size()
         counts = [math.prod(s) for s in resp.shapes]
