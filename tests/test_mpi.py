@@ -121,7 +121,7 @@ def test_a_call_nobody_matches_times_out(mode):
     """MPI's own Wait has no timeout: a rank whose peer never makes the matching call waited
     forever, silently. hvdlite's waits end in MPITimeout after the transport timeout (2 s here),
     naming the rank and the fix, in both waiting modes; the request still completes once the
-    peer arrives."""
+    peer arrives. A wait whose communicator is abandoned (the job has failed) ends at once."""
     proc = mpiexec("mpi_timeout.py", 2, env={"HVDLITE_MPI_WAIT": mode}, timeout=45)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
@@ -129,6 +129,12 @@ def test_a_call_nobody_matches_times_out(mode):
                       r"rank 0: .* HOROVOD_GLOO_TIMEOUT_SECONDS", proc.stdout)
     assert found, out
     assert 1.9 <= float(found.group(1)) < 3.5, found.group(0)
+    # Abandoned (the job failed): the wait ends at once, not at the timeout; shutdown no
+    # longer waits for it (every rank of a failed job took 10 s longer to exit).
+    found = re.search(r"ABANDONED after ([\d.]+) s: MPI allreduce given up on rank 0: the job "
+                      r"had failed", proc.stdout)
+    assert found, out
+    assert float(found.group(1)) < 1.5, found.group(0)
     for r in range(2):
         assert f"OK rank {r} mode {mode}" in proc.stdout, out
 

@@ -982,6 +982,14 @@ class Engine:
             pass
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        if self._closed is not None:
+            # The job failed: nothing pending will complete (_close failed it all), so
+            # transfers still waited for end now, not at the transport's timeout, and the
+            # threads joined below are not held by them (backends/mpi.MPICommunicator.abandon).
+            for comm in list(self.comms.values()):
+                abandon = getattr(comm, "abandon", None)
+                if abandon is not None:
+                    abandon()
         self._stopping = True
         self._wake()
         if threading.current_thread() is not self.thread:
