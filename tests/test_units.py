@@ -189,6 +189,18 @@ def test_a_signal_during_a_hold_comes_out_at_its_release(monkeypatch):
         assert seen == []
         interrupts.release()
         assert seen == [signal.SIGINT]
+        # A signal whose handler was reset to an action meanwhile gets that action (here:
+        # ignored) at the release.
+        usr2 = signal.getsignal(signal.SIGUSR2)
+        signal.signal(signal.SIGUSR2, lambda signum, frame: seen.append(signum))
+        try:
+            assert interrupts.hold()
+            os.kill(os.getpid(), signal.SIGUSR2)
+            signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+            interrupts.release()
+            assert seen == [signal.SIGINT]
+        finally:
+            signal.signal(signal.SIGUSR2, usr2)
         interrupts.unwrap()
         assert signal.getsignal(signal.SIGINT).__class__ is not interrupts._Wrapper
         off_main = []

@@ -95,10 +95,11 @@ def release() -> None:
         handler = signal.getsignal(signum)
         if handler.__class__ is _Wrapper:
             handler = handler.handler
-        if not callable(handler):
-            continue
         try:
-            handler(signum, sys._getframe(1))
+            if callable(handler):
+                handler(signum, sys._getframe(1))
+            else:                         # reset to the default action meanwhile: take it
+                signal.raise_signal(signum)
         except BaseException as exc:      # (the first one raises; the rest still run)
             if first is None:
                 first = exc
