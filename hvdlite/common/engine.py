@@ -27,8 +27,9 @@ part. A round goes to the round waiter and its entries to the general path (_lef
 transfer to the finisher (_left_transfer), and a wait gives its handle up (Handle.wait): the
 handle's names free when it completes, and a new call of one of them waits for it (_orphan).
 A caller that applies the peers' round messages itself (_read_peers) holds signals back while
-it does (interrupts.py): a message read off its socket is always applied. Only a collective interrupted inside its own steps, which cannot be resumed, fails the job on
-every rank, as a transport error does.
+it does (interrupts.py): a message read off its socket is always applied. Only a collective
+interrupted inside its own steps, which cannot be resumed, fails the job on every rank, as a
+transport error does.
 """
 from __future__ import annotations
 
