@@ -394,9 +394,11 @@ def _grouped_reducescatter_named(tensors, wire, cacheable, op, pre, post, set_id
         def gfn(*gs):
             gathered = _rt_allgather(list(gs), [f"{n}.grad" for n in names], set_id, cacheable,
                                      group=(wire + ".grad") if grouped else None)
-            if op == Sum:  # Horovod's definition: Sum's gradient is scaled by the set size
-                size = _set_size(set_id)
-                gathered = [g * tf.cast(size, g.dtype) for g in gathered]
+            # Horovod's _reducescatter_grad: Sum's gradient is scaled by the set size, and
+            # every gradient by both scale factors (the forward result is linear in them).
+            factor = (float(_set_size(set_id)) if op == Sum else 1.0) * pre * post
+            if factor != 1.0:
+                gathered = [g * tf.cast(factor, g.dtype) for g in gathered]
             return gathered
 
         dys = filled(dys, outs)

@@ -459,9 +459,17 @@ class HorovodReducescatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         grad = allgather(grad_output.contiguous(), process_set=ctx.process_set)
-        if ctx.op == Sum:  # Horovod's definition: the gradient of Sum is scaled by the set size
-            grad = grad * (ctx.process_set or global_process_set).size()
-        return grad, None, None, None, None, None
+        factor = _reducescatter_grad_factor(ctx)
+        return (grad * factor if factor != 1.0 else grad), None, None, None, None, None
+
+
+def _reducescatter_grad_factor(ctx) -> float:
+    """What a reducescatter's gradient is multiplied by, as Horovod's backward does: the set's
+    size for Sum (Horovod's definition), and both scale factors, which scale the forward
+    result linearly. (Before, the scale factors were left out: a reducescatter with
+    prescale_factor=2 got half its gradient.)"""
+    factor = float((ctx.process_set or global_process_set).size()) if ctx.op == Sum else 1.0
+    return factor * ctx.prescale_factor * ctx.postscale_factor
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
@@ -488,6 +496,7 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
         ctx.op, ctx.process_set = op, process_set
+        ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
         return tuple(synchronize(grouped_reducescatter_async(list(tensors), name, op, process_set,
                                                              prescale_factor, postscale_factor)))
 
@@ -495,8 +504,9 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
     def backward(ctx, *grads):
         ps = ctx.process_set or global_process_set
         out = grouped_allgather([g.contiguous() for g in grads], process_set=ps)
-        if ctx.op == Sum:
-            out = [g * ps.size() for g in out]
+        factor = _reducescatter_grad_factor(ctx)
+        if factor != 1.0:
+            out = [g * factor for g in out]
         return (None, None, None, None, None, *out)
 
 

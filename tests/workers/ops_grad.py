@@ -6,7 +6,8 @@
 - broadcast:      grad = allreduce(grad_out, Average) on the root, zeros elsewhere
 - alltoall:       grad = alltoall(grad_out, splits=received splits)
 - reducescatter:  grad = allgather(grad_out), times the set size for Sum (Horovod's TF
-                  _reducescatter_grad; test_torch.py expects ones*size for Sum, ones for Average)
+                  _reducescatter_grad; test_torch.py expects ones*size for Sum, ones for Average),
+                  times prescale_factor and postscale_factor (HorovodReducescatter.backward)
 Grouped variants follow the ungrouped ones tensor by tensor.
 """
 from __future__ import annotations
@@ -127,25 +128,33 @@ def _rs_grad_ref(rows, tail, salt, factor):
     return gs[rank], torch.cat(gs) * factor
 
 
+# (op name, op, the gradient's factor from the op, prescale, postscale)
+RS_CASES = [("Sum", hvd.Sum, float(size), 1.0, 1.0), ("Average", hvd.Average, 1.0, 1.0, 1.0),
+            ("Sum", hvd.Sum, float(size), 2.0, 3.0), ("Average", hvd.Average, 1.0, 0.5, 1.0),
+            ("Average", hvd.Average, 1.0, 1.0, 3.0)]
+
+
 def reducescatter_grad():
-    for opname, op, factor in [("Sum", hvd.Sum, float(size)), ("Average", hvd.Average, 1.0)]:
+    for opname, op, factor, pre, post in RS_CASES:
         for rows in (4 * size, 2 * size + 1):
             x = leaf(gen(rank, (rows, 3), F64, "rsx"))
-            y = hvd.reducescatter(x, op=op)
-            g, ref = _rs_grad_ref(rows, (3,), ("rsG", opname, rows), factor)
+            y = hvd.reducescatter(x, op=op, prescale_factor=pre, postscale_factor=post)
+            g, ref = _rs_grad_ref(rows, (3,), ("rsG", opname, rows), factor * pre * post)
             y.backward(g)
-            same(x.grad, ref, f"reducescatter grad {opname} rows={rows}")
+            same(x.grad, ref, f"reducescatter grad {opname} pre={pre} post={post} rows={rows}")
 
 
 def grouped_reducescatter_grad():
-    for opname, op, factor in [("Sum", hvd.Sum, float(size)), ("Average", hvd.Average, 1.0)]:
+    for opname, op, factor, pre, post in RS_CASES:
         rows = [4 * size, 2 * size + 1]
         xs = [leaf(gen(rank, (rows[i], 2), F64, ("grsx", i))) for i in range(2)]
-        ys = hvd.grouped_reducescatter(xs, op=op)
-        cases = [_rs_grad_ref(rows[i], (2,), ("grsG", opname, i), factor) for i in range(2)]
+        ys = hvd.grouped_reducescatter(xs, op=op, prescale_factor=pre, postscale_factor=post)
+        cases = [_rs_grad_ref(rows[i], (2,), ("grsG", opname, i), factor * pre * post)
+                 for i in range(2)]
         sum((y * g).sum() for y, (g, _) in zip(ys, cases)).backward()
         for i in range(2):
-            same(xs[i].grad, cases[i][1], f"grouped_reducescatter grad [{i}] {opname}")
+            same(xs[i].grad, cases[i][1],
+                 f"grouped_reducescatter grad [{i}] {opname} pre={pre} post={post}")
 
 
 def untraced():

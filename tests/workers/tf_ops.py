@@ -366,6 +366,13 @@ def check_gradients(mode):
     _, g = grad_of(mode, lambda x: tf.reduce_sum(
         wr[RANK] * hvd.reducescatter(x, op=hvd.Average)), xr)
     close(g, np.concatenate(wr), "reducescatter Average")
+    # ...times both scale factors (Horovod's _reducescatter_grad), grouped alike.
+    _, g = grad_of(mode, lambda x: tf.reduce_sum(wr[RANK] * hvd.reducescatter(
+        x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=3.0)), xr)
+    close(g, np.concatenate(wr) * SIZE * 6.0, "reducescatter Sum pre=2 post=3")
+    _, g = grad_of(mode, lambda x: tf.reduce_sum(wr[RANK] * hvd.grouped_reducescatter(
+        [x, x], op=hvd.Average, postscale_factor=0.5)[1]), xr)
+    close(g, np.concatenate(wr) * 0.5, "grouped_reducescatter Average post=0.5")
 
 
 # ---------------------------------------------------------------------------- tape / optimizer
