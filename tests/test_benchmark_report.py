@@ -62,6 +62,27 @@ def test_glance_judges_each_target_and_names_the_limit_of_a_missed_one(tmp_path)
     assert "| not run | blocked | needs a host with two GPUs |" in nccl
 
 
+def test_a_large_allreduce_that_misses_is_judged_against_the_agreed_floor(tmp_path):
+    """Where allreduce.py timed a raw agreement (16 bytes) before the data at that size, a
+    missed 16 MiB target names that floor and hvdlite's ratio to it, in both tables."""
+    many = {"tensors": 100, "bytes": 1, "hvdlite_ms": 6.0, "raw_one_by_one_ms": 3.0,
+            "raw_one_buffer_ms": 2.5, "speedup": 0.5, "speedup_min": 0.4, "speedup_max": 0.6,
+            "limit": 1.2}
+    m16 = dict(_size(16 << 20, 3300.0, 2900.0), raw_agreed_us=3222.0,
+               ratio_agreed=3222.0 / 3300.0, ratio_agreed_min=0.9, ratio_agreed_max=1.01)
+    (tmp_path / "allreduce_mpi.json").write_text(json.dumps({
+        "sizes": [_size(4096, 11.0, 4.0), m16, _size(64 << 20, 28000.0, 27900.0)],
+        "many_small": many}))
+    large = next(r for r in report.targets(str(tmp_path)) if r.startswith("| 16 / 64 MiB"))
+    assert ("MPI 16 MiB (spread 0.78–0.98): Python run with cold caches around the transfer "
+            "(After a large transfer); a collective agreed before it is sent (raw "
+            "16-byte allreduce, then the data) reaches 0.90 of raw, and hvdlite 0.98 of that"
+            ) in large
+    row = report.allreduce(str(tmp_path))[2]
+    assert ("0.88 (0.78–0.98); against raw agreement + data 0.98 (0.90–1.01), which reaches "
+            "0.90 of raw") in row
+
+
 def test_glance_from_the_committed_results_lists_every_target():
     """The whole report opens with the table; --glance (run_all.sh's last step) prints it
     alone."""
