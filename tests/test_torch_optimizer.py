@@ -15,6 +15,7 @@ CHECKS = [
     "gradient_predivide_factor",
     "backward_passes_per_step_2",
     "elastic_reset_drops_a_partial_step",
+    "elastic_states_with_horovod_signatures",
     "too_many_backward_passes",
     "backward_raises_midway",
     "groups_int_and_num_groups",

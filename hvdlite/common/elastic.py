@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import logging
 import queue
 from typing import Any, Callable, Iterable, Optional
@@ -76,6 +77,28 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -
     return ops.broadcast_object(obj, root_rank, name or "hvdlite.elastic.broadcast_object")
 
 
+def takes_root(fn: Callable[..., Any], before: int = 0) -> bool:
+    """Whether `fn` accepts a root rank after `before` positional arguments: hvdlite's
+    `bcast_object(obj, root_rank)` and `StateHandler.sync(root_rank)`, against Horovod's
+    `bcast_object(obj)` and `sync()`, which broadcast from rank 0.
+
+    Why: Horovod's scripts pass their own one-argument broadcast to ObjectState and subclass
+    StateHandler with a `sync(self)`, and after a failure the state must come from the rank
+    with the most commits, which need not be rank 0. Callables whose signature cannot be read
+    (builtins) are taken to accept it."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    positional = 0
+    for p in params:
+        if p.kind is p.VAR_POSITIONAL:
+            return True
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            positional += 1
+    return positional > before
+
+
 # ---------------------------------------------------------------------- states
 class State:
     """Training state that can be committed in memory, rolled back, and synced to new workers.
@@ -84,7 +107,9 @@ class State:
     copy) and `sync()` (make every rank's current values equal to those of rank
     `self.sync_root`), and may override `reset()` (adapt to a new world size, e.g. samplers).
 
-    `bcast_object(obj, root_rank)` and `get_rank()` default to framework-independent ones.
+    `bcast_object(obj, root_rank)` and `get_rank()` default to framework-independent ones;
+    Horovod's one-argument `bcast_object(obj)`, which broadcasts from rank 0, works too
+    (`broadcast`).
     """
 
     def __init__(self, bcast_object: Optional[Callable[..., Any]] = None,
@@ -157,6 +182,18 @@ class State:
         return self._sync_root
 
     # -- for subclasses ------------------------------------------------------------------
+    def broadcast(self, obj: Any) -> Any:
+        """`obj` as rank `sync_root` holds it, on every rank, through this state's
+        `bcast_object`. A one-argument one (Horovod's signature) broadcasts from rank 0, so
+        where the root is another rank its values first go to every rank through hvdlite's
+        own broadcast: rank 0 then holds the root's, and the user's function still runs."""
+        fn = self._bcast_object
+        if takes_root(fn, 1):
+            return fn(obj, self.sync_root)
+        if self.sync_root != 0:
+            obj = broadcast_object(obj, self.sync_root, "hvdlite.elastic.to_rank_0")
+        return fn(obj)
+
     def save(self) -> None:
         raise NotImplementedError()
 
@@ -215,7 +252,7 @@ class ObjectState(State):
     def sync(self) -> None:
         if self._saved_state:
             current = {attr: getattr(self, attr) for attr in self._saved_state}
-            synced = self._bcast_object(current, self.sync_root)
+            synced = self.broadcast(current)
             for attr, value in synced.items():
                 setattr(self, attr, value)
             self.save()

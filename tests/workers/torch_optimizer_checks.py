@@ -348,6 +348,56 @@ def elastic_reset_drops_a_partial_step():
 
 
 @check
+def elastic_states_with_horovod_signatures():
+    """A state written for Horovod: ObjectState with a one-argument bcast_object, and a
+    StateHandler subclass whose sync() takes no root. Both sync, including where the reset
+    agreement picks rank 1 as the root (it committed once more): the one-argument broadcast
+    still runs and every rank gets rank 1's values; hvdlite's two-argument form still works."""
+    calls = []
+
+    def bcast_one(obj):                                   # Horovod's signature: from rank 0
+        calls.append(1)
+        return hvd.broadcast_object(obj, root_rank=0, name="test.elastic.one_arg")
+
+    state = hvd.elastic.ObjectState(bcast_one, hvd.rank, epoch=10 * hvd.rank(), tags=["a"])
+    state.commit()
+    if hvd.rank() == 1:
+        state.commit()                          # rank 1 holds the latest commit: the root
+    state.epoch, state.tags = 100 + hvd.rank(), [hvd.rank()]
+    state.save()
+    assert state._agree_and_sync(False) and state.sync_root == 1
+    assert (state.epoch, state.tags) == (101, [1]) and calls == [1], (state.epoch, calls)
+    two = hvd.elastic.ObjectState(bcast_object=lambda obj, root: hvd.broadcast_object(
+        obj, root_rank=root, name="test.elastic.two_args"), step=hvd.rank())
+    two._sync_root = 1
+    two.sync()
+    assert two.step == 1, two.step
+
+    class CounterHandler(hvd.elastic.StateHandler):      # as in Horovod's own docs
+        def save(self):
+            self.saved = self.value.n
+
+        def restore(self):
+            self.value.n = self.saved
+
+        def sync(self):                                   # in place, as Horovod's handlers
+            self.value.n = hvd.broadcast_object(self.value.n, root_rank=0, name="test.counter")
+
+    class Counter:
+        def __init__(self, n):
+            self.n = n
+
+    registry = hvd.elastic.get_handler_registry()
+    hvd.elastic.set_handler_registry(registry + [(Counter, CounterHandler)])
+    try:
+        torch_state = hvd.elastic.TorchState(counter=Counter(5 + hvd.rank()), model=make_model())
+        torch_state.sync()
+        assert torch_state.counter.n == 5, torch_state.counter.n
+    finally:
+        hvd.elastic.set_handler_registry(registry)
+
+
+@check
 def too_many_backward_passes():
     model = make_model()
     opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())

@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any, Optional
 
 import torch
 
-from ...common.elastic import ObjectState
+from ...common.elastic import ObjectState, takes_root
 from .. import functions as _functions
 from ..zero import ZeroOptimizer
 from .sampler import ElasticSampler
+
+log = logging.getLogger(__name__)
 
 
 class StateHandler:
@@ -24,7 +27,9 @@ class StateHandler:
     def restore(self) -> None:
         raise NotImplementedError()
 
-    def sync(self, root_rank: int) -> None:
+    def sync(self, root_rank: int = 0) -> None:
+        """Make every rank's value rank `root_rank`'s. (A subclass written for Horovod, whose
+        `sync(self)` takes no root, works too: TorchState.sync calls it without one.)"""
         raise NotImplementedError()
 
     def reset(self) -> None:
@@ -212,7 +217,16 @@ class TorchState(ObjectState):
         handlers = sorted(self._handlers.values(),
                           key=lambda h: not isinstance(h, OptimizerStateHandler))
         for handler in handlers:
-            handler.sync(self.sync_root)
+            if takes_root(handler.sync):
+                handler.sync(self.sync_root)
+            else:
+                # Horovod's StateHandler.sync(self): the handler broadcasts from where it
+                # chooses (rank 0, in Horovod's own handlers).
+                if self.sync_root != 0:
+                    log.warning("%s.sync() takes no root rank, but rank %d holds the latest "
+                                "commit: give it a root_rank argument (sync(self, root_rank)) "
+                                "to sync from there", type(handler).__name__, self.sync_root)
+                handler.sync()
         super().sync()
 
     def reset(self) -> None:
