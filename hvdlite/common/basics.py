@@ -468,13 +468,13 @@ def add_process_set(process_set) -> ProcessSet:
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
-    """Unregister a process set on every rank (a collective). Returns True when removed."""
+    """Unregister a process set on every rank (a collective). Returns True when removed;
+    False, as in Horovod, for a set that is not registered and for the global set, which is
+    never removed (no collective is run then)."""
     state = _require()
     sid = process_set.process_set_id
-    if sid is None:
+    if sid is None or sid == 0:
         return False
-    if sid == 0:
-        raise ValueError("the global process set cannot be removed")
     from . import ops
     state.add_counter += 1
     try:

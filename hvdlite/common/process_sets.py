@@ -33,13 +33,18 @@ class ProcessSet:
         return len(basics._set_ranks(self.process_set_id))
 
     def rank(self) -> Optional[int]:
-        """This process's rank within the set (-1 if not a member), None if not registered."""
+        """This process's rank within the set, None if the set is not registered; raises
+        ValueError where this process is not a member, as Horovod does (`included()` asks
+        without raising)."""
         from . import basics
         if self.process_set_id is None:
             return None
         ranks = basics._set_ranks(self.process_set_id)
         me = basics.rank()
-        return ranks.index(me) if me in ranks else -1
+        if me not in ranks:
+            raise ValueError(f"Process is not part of provided process set: rank {me} is not "
+                             f"one of its ranks {list(ranks)} (ask included() first)")
+        return ranks.index(me)
 
     def included(self) -> Optional[bool]:
         """Whether this process is in the set, or None if the set has no ranks yet."""

@@ -27,7 +27,10 @@ def set_size(ps: ProcessSet) -> int:
 
 
 def set_rank(ps: ProcessSet) -> int:
-    r = ps.rank()
+    try:
+        r = ps.rank()
+    except ValueError:
+        r = -1
     if r is None:
         set_size(ps)
     if r < 0:
