@@ -19,7 +19,8 @@ from tf_launch import SKIP_NO_TF, Run  # noqa: E402
 
 HAVE_KERAS = importlib.util.find_spec("keras") is not None
 
-TORCH_CHECKS = ["alltoall_errors", "reducescatter_adasum", "mismatch", "process_sets"]
+TORCH_CHECKS = ["grouped_result_types", "alltoall_errors", "reducescatter_adasum", "mismatch",
+                "process_sets"]
 TF_CHECKS = [f"{c}_{m}" for m in ("eager", "function")
              for c in ("mismatch", "invalid", "sparse_dtype", "partial_tape")] + [
     "scalars_and_arrays", "sync_batch_norm", "process_set_args", "duplicate_sets"]

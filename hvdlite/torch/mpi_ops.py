@@ -27,6 +27,10 @@ _next_handle = 0
 
 
 def _register(handle: _ops.Handle, post) -> int:
+    """An integer handle for `handle`; synchronize() returns `post(result)`. A grouped op's
+    post is `tuple`: Horovod's handle map holds a group's outputs as a tuple, so its
+    synchronize(), grouped_allreduce_ and grouped_allgather return one (grouped_allreduce and
+    grouped_reducescatter return lists, as there)."""
     global _next_handle
     with _handle_lock:
         _next_handle += 1
@@ -64,7 +68,7 @@ def _allreduce_async(tensors, outputs, name, op, prescale_factor, postscale_fact
     handle = _ops.allreduce(tensors, names=name, op=op, prescale=prescale_factor,
                             postscale=postscale_factor, process_set=process_set,
                             group=grouped or None, outputs=outputs)
-    return _register(handle, list if grouped else _single)
+    return _register(handle, tuple if grouped else _single)
 
 
 def _check_inplace(tensor):
@@ -231,7 +235,7 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
     with _ops.blocking_name("grouped_allreduce", name, process_set) as name:
         _grouped_now(list(tensors), [t.detach() for t in tensors], average, name, op,
                      prescale_factor, postscale_factor, process_set)
-    return list(tensors)
+    return tuple(tensors)
 
 
 def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
@@ -258,7 +262,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
 # ---------------------------------------------------------------------- allgather
 def _allgather_async(tensors, name, process_set, grouped: bool) -> int:
     handle = _ops.allgather(tensors, names=name, process_set=process_set, group=grouped or None)
-    return _register(handle, list if grouped else _single)
+    return _register(handle, tuple if grouped else _single)
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
@@ -325,8 +329,8 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
         _check_gatherable(t)
     with _ops.blocking_name("grouped_allgather", name, process_set) as name:
         if _traced(tensors):
-            return list(HorovodGroupedAllgather.apply(name, process_set, *tensors))
-        return list(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+            return HorovodGroupedAllgather.apply(name, process_set, *tensors)
+        return synchronize(grouped_allgather_async(list(tensors), name, process_set))
 
 
 # ---------------------------------------------------------------------- broadcast
@@ -437,7 +441,7 @@ def _reducescatter_async(tensors, name, op, process_set, prescale_factor, postsc
     handle = _ops.reducescatter(tensors, names=name, op=op, prescale=prescale_factor,
                                 postscale=postscale_factor, process_set=process_set,
                                 group=grouped or None)
-    return _register(handle, list if grouped else _single)
+    return _register(handle, tuple if grouped else _single)
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,

@@ -93,7 +93,37 @@ def check_process_sets():
         same(out, torch.full((1,), float(SIZE - 1)), "allreduce on a permuted set")
 
 
+def check_grouped_result_types():
+    """Horovod's handle map holds a group's outputs as a tuple: synchronize() of a grouped
+    handle, grouped_allreduce_ and grouped_allgather return tuples; grouped_allreduce and
+    grouped_reducescatter return lists."""
+    xs = [torch.ones(SIZE, 2), torch.ones(SIZE)]
+    want = {
+        "grouped_allreduce_": (tuple, lambda: hvd.grouped_allreduce_([x.clone() for x in xs])),
+        "grouped_allreduce_async": (tuple, lambda: hvd.synchronize(
+            hvd.grouped_allreduce_async(xs))),
+        "grouped_allreduce_async_": (tuple, lambda: hvd.synchronize(
+            hvd.grouped_allreduce_async_([x.clone() for x in xs]))),
+        "grouped_allgather": (tuple, lambda: hvd.grouped_allgather(xs)),
+        "grouped_allgather (autograd)": (tuple, lambda: hvd.grouped_allgather(
+            [x.clone().requires_grad_() for x in xs])),
+        "grouped_allgather_async": (tuple, lambda: hvd.synchronize(
+            hvd.grouped_allgather_async(xs))),
+        "grouped_reducescatter_async": (tuple, lambda: hvd.synchronize(
+            hvd.grouped_reducescatter_async(xs))),
+        "grouped_allreduce": (list, lambda: hvd.grouped_allreduce(xs)),
+        "grouped_reducescatter": (list, lambda: hvd.grouped_reducescatter(xs)),
+    }
+    for what, (kind, fn) in want.items():
+        out = fn()
+        if type(out) is not kind or len(out) != 2:
+            fail(f"{what} returned {type(out).__name__} of {len(out)}, Horovod a {kind.__name__}")
+    same(hvd.grouped_allreduce_([x.clone() for x in xs], op=hvd.Sum)[1],
+         torch.full((SIZE,), float(SIZE)), "grouped_allreduce_ values")
+
+
 def main():
+    check("grouped_result_types", check_grouped_result_types)
     check("alltoall_errors", check_alltoall_errors)
     check("reducescatter_adasum", check_reducescatter_adasum)
     check("mismatch", check_mismatch)
