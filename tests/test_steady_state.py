@@ -182,6 +182,16 @@ def test_cache_smaller_than_a_step():
     assert "Set HOROVOD_CACHE_CAPACITY (or HVDLITE_CACHE_CAPACITY) above" in run.output
 
 
+@pytest.mark.timeout(180)
+def test_a_step_beyond_the_default_cache_capacity():
+    """Steps of 1,100 named tensors against the default capacity of 1,024: the coordinator's
+    evictions chain through every pending tensor, and it used to recurse once per eviction
+    until it died of RecursionError (workers/cache_capacity.py deep)."""
+    run = Run("cache_capacity.py", 2, args=["deep"], timeout=150)
+    _all_checks(run, ["deep"])
+    assert "RecursionError" not in run.output, run.output[-3000:]
+
+
 FUZZ_ENV = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "5", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "20"}
 
 

@@ -16,6 +16,7 @@ set never interleave differently on different ranks.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import selectors
@@ -88,6 +89,10 @@ class Coordinator:
         self.size = size
         self.key = key
         self.settings = settings
+        # Names whose readiness _add_to_table has still to check, and whether a check is
+        # running (it says why there is a list).
+        self._checks: collections.deque = collections.deque()
+        self._checking = False
         self.timeline = timeline
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -549,11 +554,25 @@ class Coordinator:
         reqs[idx] = req
         if self.timeline is not None:
             self.timeline.negotiate_rank(req.name, s.ranks[idx])
-        self._check_ready(s, req.name, ready)
+        self._checks.append((s, req.name, ready))
+        if self._checking:
+            return
+        # Checked from a worklist, not by recursion: a response put in the cache may evict a
+        # bit, whose pending hits come back here as requests, whose responses may evict the
+        # next bit, and so on. Recursing, a step of more named tensors than the cache holds
+        # (~1,100 against the default 1,024) went ~3 frames deeper per eviction until the
+        # coordinator died of RecursionError and the job with it.
+        self._checking = True
+        try:
+            while self._checks:
+                self._check_ready(*self._checks.popleft())
+        finally:
+            self._checking = False
+            self._checks.clear()
 
     def _check_ready(self, s: SetState, name: str, ready: list) -> None:
-        reqs = s.table[name]
-        if len(reqs) + len(s.joined - set(reqs)) < len(s.ranks):
+        reqs = s.table.get(name)        # (None: released meanwhile, by a check queued first)
+        if reqs is None or len(reqs) + len(s.joined - set(reqs)) < len(s.ranks):
             return
         del s.table[name]
         s.first_seen.pop(name, None)

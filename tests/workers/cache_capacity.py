@@ -6,8 +6,14 @@ Run with HOROVOD_CACHE_CAPACITY=16 on 3 ranks. Checks:
   pending at the coordinator for a tensor it no longer had: the job hung within a few steps);
 - fits: steps of 12 tensors fit the cache and reach the steady state.
 The test also looks for rank 0's one warning that names the capacity and the fix.
+
+With the argument `deep` (and the default capacity of 1,024) it runs only:
+- deep: steps of 1,100 named allreduces, each step's evictions chaining through ~1,000 pending
+  tensors at the coordinator (it recursed once per eviction and died of RecursionError).
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -40,8 +46,16 @@ def fits():
         fail(f"steps that fit the cache still went to the coordinator: {d}")
 
 
-check("thrash", thrash)
-check("fits", fits)
+def deep():
+    for k in range(6):
+        step(k, 1100, "deep")
+
+
+if sys.argv[1:] == ["deep"]:
+    check("deep", deep)
+else:
+    check("thrash", thrash)
+    check("fits", fits)
 print("COUNTERS", basics.engine_counters(), flush=True)
 finish()
 hvd.shutdown()
