@@ -20,7 +20,7 @@ from tf_launch import SKIP_NO_TF, Run  # noqa: E402
 HAVE_KERAS = importlib.util.find_spec("keras") is not None
 
 TORCH_CHECKS = ["grouped_result_types", "alltoall_errors", "reducescatter_adasum", "mismatch",
-                "process_sets"]
+                "process_sets", "init_arguments"]
 TF_CHECKS = [f"{c}_{m}" for m in ("eager", "function")
              for c in ("mismatch", "invalid", "sparse_dtype", "partial_tape")] + [
     "scalars_and_arrays", "sync_batch_norm", "process_set_args", "duplicate_sets"]

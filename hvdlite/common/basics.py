@@ -92,8 +92,11 @@ def init(comm=None, process_sets=None) -> None:
             config.warn_misspelled(log.warning)
         dynamic = settings.dynamic_process_sets
         static: list[ProcessSet] = []
-        if process_sets == "dynamic":
+        if isinstance(comm, (list, tuple)) and not comm:
+            comm = None                 # Horovod's default: an empty list, all of the world
+        if isinstance(process_sets, str) and process_sets.lower() == "dynamic":
             dynamic = True
+            os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"     # as Horovod's init sets it
         elif process_sets:
             static = list(process_sets)
             for ps in static:
@@ -507,8 +510,13 @@ def auto_name(op: str, set_id: int = 0) -> str:
 
 # ---------------------------------------------------------------------- build info
 def mpi_threads_supported() -> bool:
-    """True when MPI runs with MPI_THREAD_MULTIPLE (hvdlite's MPI transport requires it)."""
-    return mpi_backend.available() and mpi_backend.threads_supported()
+    """True when MPI runs with MPI_THREAD_MULTIPLE (hvdlite's MPI transport requires it).
+    Raises ValueError, as Horovod does, where this job's collectives do not run on MPI."""
+    if not mpi_enabled():
+        raise ValueError("Horovod MPI is not enabled; Please make sure it's installed and "
+                         "enabled (hvdlite: hvd.init() under mpirun/mpiexec, or "
+                         "HOROVOD_CPU_OPERATIONS=mpi).")
+    return mpi_backend.threads_supported()
 
 
 def mpi_enabled() -> bool:
@@ -523,17 +531,30 @@ def mpi_built() -> bool:
 
 
 def gloo_enabled() -> bool:
+    """True when this job's collectives run on gloo (False before init(), as in Horovod)."""
     state = _state
-    return state is None or state.transport == "gloo"
+    return state is not None and state.transport == "gloo"
 
 
 def gloo_built() -> bool:
     return True
 
 
-def nccl_built() -> bool:
-    """True when torch has NCCL and a GPU is visible: CUDA tensors then reduce over NCCL."""
-    return nccl_backend.available()
+def nccl_built() -> int:
+    """NCCL's version code (major * 10000 + minor * 100 + patch, Horovod's NCCL_VERSION_CODE)
+    when torch has NCCL and a GPU is visible, so that CUDA tensors reduce over NCCL; else 0.
+    An int, as Horovod returns, so `if hvd.nccl_built():` reads the same."""
+    if not nccl_backend.available():
+        return 0
+    try:
+        import torch
+        version = torch.cuda.nccl.version()
+    except Exception:                  # a build whose NCCL cannot say: still built
+        return 1
+    if isinstance(version, int):       # torch before 1.13 returned the code itself
+        return version
+    major, minor, patch = (tuple(version) + (0, 0, 0))[:3]
+    return major * 10000 + minor * 100 + patch
 
 
 def ddl_built() -> bool:

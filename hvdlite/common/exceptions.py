@@ -14,6 +14,12 @@ class HorovodMismatchError(HorovodInternalError):
     TensorFlow frontend reports it as tf.errors.FailedPreconditionError, as Horovod's kernels."""
 
 
+class NotInitializedError(HorovodInternalError, ValueError):
+    """A collective called before hvd.init() (or after hvd.shutdown()). Horovod raises
+    HorovodInternalError there (its C++ refuses the enqueue); a ValueError too, which hvdlite
+    raised before and which Horovod's rank()/size() raise before init."""
+
+
 class HostsUpdatedInterrupt(RuntimeError):
     """Hosts were added or removed; elastic training re-forms the job without restoring state."""
 

@@ -23,6 +23,7 @@ from . import naming
 from . import validation as _validation
 from .collectives import DTYPE_NAMES
 from .engine import Entry, Finished
+from .exceptions import NotInitializedError
 from .messages import (ADASUM, ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BARRIER,
                        BROADCAST, JOIN, MAX, MIN, PRODUCT, REDUCESCATTER, REMOVE_PROCESS_SET,
                        SUM, Request)
@@ -96,7 +97,7 @@ def _state():
     # The module attribute, not basics' accessors: a collective's path stays in this file.
     state = _basics._state
     if state is None:
-        raise ValueError(_basics.NOT_INITIALIZED)
+        raise NotInitializedError(_basics.NOT_INITIALIZED)
     return state
 
 
@@ -470,7 +471,7 @@ def alltoall(buffer: Buffer, splits: Optional[Sequence[int]] = None, *, names: N
 def join() -> Handle:
     """This rank has no more data: until every rank has joined, it contributes zeros to the
     other ranks' allreduces. Result: the rank that joined last (int)."""
-    req = Request(rank=_basics.rank(), name="join.noname", type=JOIN, cacheable=False)
+    req = Request(rank=_state().rank, name="join.noname", type=JOIN, cacheable=False)
     return _submit([Entry(req)], lambda res: int(res[0]))
 
 
@@ -481,7 +482,7 @@ def barrier(process_set=None) -> Handle:
     offers its bit, with no coordinator and no fallback (a barrier per step used to send the set
     back to full negotiation every step). The frontends wait on it at once, so a rank has one
     barrier per set in flight; ranks match barriers by order, as Horovod's do."""
-    req = Request(rank=_basics.rank(), name="barrier", type=BARRIER,
+    req = Request(rank=_state().rank, name="barrier", type=BARRIER,
                   process_set_id=set_id(process_set))
     return _submit([Entry(req)], lambda res: None)
 
@@ -489,7 +490,7 @@ def barrier(process_set=None) -> Handle:
 def process_set_change(name: str, extra, add: bool) -> Handle:
     """Register (`extra`: the ranks) or remove (`extra`: the set id) a process set on every rank:
     a collective over the whole job. Result: the set id."""
-    req = Request(rank=_basics.rank(), name=name, type=ADD_PROCESS_SET if add
+    req = Request(rank=_state().rank, name=name, type=ADD_PROCESS_SET if add
                   else REMOVE_PROCESS_SET, extra=extra, cacheable=False)
     return _submit([Entry(req)], _first)
 
@@ -515,7 +516,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     used the object's type name, which hangs when non-root ranks pass an object of another
     type). Two broadcasts: the length (cached), then the bytes."""
     name = name or "broadcast_object"
-    is_root = _basics.rank() == int(root_rank)
+    is_root = _state().rank == int(root_rank)
     payload = _pickle(obj) if is_root else None
     size = torch.tensor([payload.numel() if is_root else 0], dtype=torch.int64)
     broadcast([size], root_rank, names=name + ".sz", process_set=process_set,

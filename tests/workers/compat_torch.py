@@ -122,12 +122,39 @@ def check_grouped_result_types():
          torch.full((SIZE,), float(SIZE)), "grouped_allreduce_ values")
 
 
+def check_init_arguments():
+    """Horovod's init(comm=[]) is its default (every rank), and process_sets="DYNAMIC" is
+    read case-insensitively and sets HOROVOD_DYNAMIC_PROCESS_SETS=1, as Horovod's init does."""
+    hvd.shutdown()
+    if hvd.gloo_enabled() or hvd.mpi_enabled():
+        fail("gloo_enabled() or mpi_enabled() is True while hvdlite is not initialized")
+    os.environ.pop("HOROVOD_DYNAMIC_PROCESS_SETS", None)
+    hvd.init(comm=[], process_sets="DYNAMIC")
+    # Build facts with Horovod's types: nccl_built() an int (NCCL_VERSION_CODE or 0), and
+    # mpi_threads_supported() a ValueError on a job whose collectives do not run on MPI.
+    if type(hvd.nccl_built()) is not int:
+        fail(f"nccl_built() returned {type(hvd.nccl_built()).__name__}, Horovod an int")
+    if hvd.gloo_enabled():
+        expect_raises(ValueError, hvd.mpi_threads_supported, "mpi_threads_supported on gloo",
+                      "MPI is not enabled")
+    if hvd.size() != SIZE or os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") != "1":
+        fail(f"init(comm=[], process_sets='DYNAMIC'): size {hvd.size()}, "
+             f"HOROVOD_DYNAMIC_PROCESS_SETS={os.environ.get('HOROVOD_DYNAMIC_PROCESS_SETS')}")
+    ps = hvd.add_process_set(range(SIZE - 1, 0, -1))
+    if ps.included():
+        same(hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=ps, name="cmp.dyn"),
+             torch.full((1,), float(SIZE - 1)), "allreduce on a dynamic set")
+    if hvd.remove_process_set(ps) is not True:
+        fail("remove_process_set of a dynamic set did not return True")
+
+
 def main():
     check("grouped_result_types", check_grouped_result_types)
     check("alltoall_errors", check_alltoall_errors)
     check("reducescatter_adasum", check_reducescatter_adasum)
     check("mismatch", check_mismatch)
     check("process_sets", check_process_sets)
+    check("init_arguments", check_init_arguments)
     finish()
     hvd.shutdown()
 

@@ -13,6 +13,7 @@ from hvdlite.common import basics
 hvd.init(process_sets="dynamic")
 r, s = hvd.rank(), hvd.size()
 assert hvd.mpi_enabled() and hvd.mpi_built() and not hvd.gloo_enabled()
+assert hvd.mpi_threads_supported() is True           # MPI_THREAD_MULTIPLE, which hvdlite asks
 
 
 def inputs(rank, dtype, shape=(3, 4)):

@@ -24,8 +24,9 @@ def choose_transport(comm) -> str:
     """gloo or mpi, as Horovod's HOROVOD_CPU_OPERATIONS says; under mpirun, MPI by default."""
     choice = config_choice("CPU_OPERATIONS")
     if comm is not None and choice == "gloo":
-        raise ValueError("init(comm=...) takes an MPI communicator, but HOROVOD_CPU_OPERATIONS "
-                         "is 'gloo'; unset it or set it to 'mpi'.")
+        raise ValueError("init(comm=...) takes an MPI communicator or a list of MPI ranks, but "
+                         "HOROVOD_CPU_OPERATIONS is 'gloo'; unset it or set it to 'mpi' (or "
+                         "call init() without comm).")
     if comm is not None or choice == "mpi":
         if not mpi_backend.available():
             raise ValueError("the MPI transport needs mpi4py and an MPI library: "
