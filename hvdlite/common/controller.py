@@ -66,6 +66,9 @@ class SetState:
     waiting: dict = field(default_factory=dict)   # set rank -> (since, names) waiting in a round
     all_hits: bool = False                        # this round released only cache hits
     thrash_warned: bool = False                   # warned that the cache is too small
+    # Groups whose ranks disagreed on their members (_fail_group): group -> (error, {set rank:
+    # how many of its members' requests are still to be failed}).
+    failed_groups: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.index = {g: i for i, g in enumerate(self.ranks)}
@@ -572,13 +575,24 @@ class Coordinator:
 
     def _check_ready(self, s: SetState, name: str, ready: list) -> None:
         reqs = s.table.get(name)        # (None: released meanwhile, by a check queued first)
-        if reqs is None or len(reqs) + len(s.joined - set(reqs)) < len(s.ranks):
+        if reqs is None:
+            return
+        if s.failed_groups:
+            group = next(iter(reqs.values())).group
+            if group in s.failed_groups:
+                self._fail_member(s, group, name, ready)
+                return
+        if len(reqs) + len(s.joined - set(reqs)) < len(s.ranks):
             return
         del s.table[name]
         s.first_seen.pop(name, None)
         resp = construct_response(name, reqs, s.ranks, frozenset(s.joined))
         if self.timeline is not None:
             self.timeline.negotiate_end(name)
+        groups = {(r.group, r.group_size) for r in reqs.values()}
+        if len(groups) > 1:
+            self._fail_group(s, name, reqs, resp.error, ready)
+            return
         if resp.group is not None:
             self._group_sizes[(s.id, resp.group)] = max(r.group_size for r in reqs.values())
         if resp.type == ADD_PROCESS_SET:
@@ -608,6 +622,47 @@ class Coordinator:
                     "submits.", s.id, s.cache.capacity, s.cache.returned)
             return
         ready.append((s, resp))
+
+    def _fail_group(self, s: SetState, name: str, reqs: dict, error: str, ready: list) -> None:
+        """The ranks put tensor `name` in different groups, or in groups of different sizes
+        (construct_response's error): fail it and every member of those groups, now and as the
+        rest arrive, on every rank.
+
+        Why: a grouped response is held until its whole group is ready, and a member that only
+        some ranks submit (a rank whose group has more tensors) is never ready. The job waited
+        until the stall shutdown (600 s by default), whose report then named a healthy rank as
+        hung."""
+        s.table[name] = reqs                     # (failed below with the others)
+        for group in {r.group for r in reqs.values()} - {None}:
+            self._group_sizes.pop((s.id, group), None)
+            # Each rank's call has its own count of members, every one of them a request
+            # (this one's among them): the group is forgotten once all are failed, so that a
+            # member arriving late still fails, and the name may be used alike afterwards.
+            s.failed_groups.setdefault(group, (error, {
+                idx: r.group_size for idx, r in reqs.items() if r.group == group}))
+            for other in [n for n, rs in s.table.items()
+                          if any(r.group == group for r in rs.values())]:
+                self._fail_member(s, group, other, ready)
+        if name in s.table:                      # (in no group on any rank: cannot happen)
+            del s.table[name]
+            ready.append((s, Response(type=ERROR, names=[name], process_set_id=s.id,
+                                      error=error)))
+
+    def _fail_member(self, s: SetState, group: str, name: str, ready: list) -> None:
+        """Fail `name`, a member of the failed `group` (_fail_group), on every rank; the
+        group is forgotten once every rank's members are failed."""
+        reqs = s.table.pop(name, None)
+        if reqs is None:
+            return
+        s.first_seen.pop(name, None)
+        error, owed = s.failed_groups[group]
+        # (No group on the response: it is released at once, not held for its group.)
+        ready.append((s, Response(type=ERROR, names=[name], process_set_id=s.id, error=error)))
+        for idx, r in reqs.items():
+            if r.group == group and owed.get(idx, 0) > 0:
+                owed[idx] -= 1
+        if not any(owed.values()):
+            del s.failed_groups[group]
 
     def _on_hits(self, rank: int, set_id: int, mask: int, ready: list, out: dict) -> None:
         s = self.sets.get(set_id)

@@ -20,6 +20,11 @@ def _error(name: str, req: Request, message: str) -> Response:
                     error=message, dtype=req.dtype, group=req.group)
 
 
+def _grouping(req: Request) -> str:
+    return "alone" if req.group is None else \
+        f"in group '{req.group}' of {req.group_size} tensors"
+
+
 def _dev(d: int) -> str:
     return "CPU" if d < 0 else f"GPU {d}"
 
@@ -47,6 +52,14 @@ def construct_response(name: str, requests: dict[int, Request], set_ranks: list[
             return _error(name, first,
                           f"Mismatched operations on tensor '{name}': rank {g[first_rank]} requested "
                           f"{op} but rank {g[r]} requested {TYPE_NAMES[req.type]}. {_FIX}")
+    for r in order[1:]:
+        req = requests[r]
+        if req.group != first.group or req.group_size != first.group_size:
+            return _error(name, first,
+                          f"Mismatched grouped {op} on tensor '{name}': rank {g[first_rank]} "
+                          f"submitted it {_grouping(first)} but rank {g[r]} "
+                          f"{_grouping(req)}. A grouped call must pass the same number of "
+                          f"tensors on every rank, in the same order.")
     for r in order[1:]:
         req = requests[r]
         if req.dtype != first.dtype:

@@ -415,6 +415,22 @@ def errors():
     expect_raises(hvd.HorovodInternalError,
                   lambda: hvd.broadcast(torch.zeros(2), root_rank=rank, name="mismatch.root"),
                   "mismatched broadcast roots")
+    # A grouped call with a different number of tensors on each rank, or alone on one rank
+    # and grouped on another: the mismatch on every rank at once (a rank's extra members
+    # waited for the stall shutdown, and the report named a healthy rank as hung), twice in a
+    # row, and then the same group name, used alike, works.
+    for attempt in range(2):
+        exc = expect_raises(hvd.HorovodInternalError, lambda: hvd.grouped_allreduce(
+            [torch.ones(2)] * (2 + rank), op=hvd.Sum, name="mismatch.group"),
+            f"grouped_allreduce of {2 + rank} tensors (attempt {attempt})",
+            match=["Mismatched grouped ALLREDUCE on tensor 'mismatch.group.0'",
+                   "in group 'mismatch.group' of 2 tensors", "of 3 tensors"])
+    exc = expect_raises(hvd.HorovodInternalError, lambda: (
+        hvd.allreduce(torch.ones(2), op=hvd.Sum, name="mismatch.mix.0") if rank == 0 else
+        hvd.grouped_allreduce([torch.ones(2)] * 2, op=hvd.Sum, name="mismatch.mix")),
+        "alone on rank 0, grouped elsewhere", match="rank 0 submitted it alone")
+    for y in hvd.grouped_allreduce([torch.ones(2)] * 3, op=hvd.Sum, name="mismatch.group"):
+        same(y, torch.full((2,), float(size)), "the group used alike after the mismatches")
     same(hvd.allreduce(torch.ones(3), op=hvd.Sum, name="after.mismatch"),
          torch.full((3,), float(size)), "allreduce after errors")
 
