@@ -195,17 +195,41 @@ def _requests(kind: str, rtype: int, buffers: Sequence[Buffer], names: Names, pr
     gname, gsize = _group(group, base, n)
     cache = (names is not None) if cacheable is None else bool(cacheable)
     me = _state().rank
-    return [_request(me, nm, rtype, b, sid, reduce, cacheable=cache, group=gname,
-                     group_size=gsize, **kw)
-            for b, nm in zip(buffers, wire)]
+    try:
+        return [_request(me, nm, rtype, b, sid, reduce, cacheable=cache, group=gname,
+                         group_size=gsize, **kw)
+                for b, nm in zip(buffers, wire)]
+    except ValueError as exc:
+        _refuse([_request(me, nm, rtype, b, sid, reduce, invalid=str(exc), cacheable=False,
+                          group=gname, group_size=gsize, **kw)
+                 for b, nm in zip(buffers, wire)], buffers, exc)
 
 
 def _request(me: int, name: str, rtype: int, b: Buffer, sid: int, reduce: bool,
-             **kw) -> Request:
-    """One buffer's request (what every rank validates against the others')."""
-    return Request(rank=me, name=name, type=rtype, dtype=dtype_name(b, reduce),
-                   shape=tuple(b.shape), device=b.get_device() if b.is_cuda else -1,
-                   process_set_id=sid, **kw)
+             invalid: Optional[str] = None, **kw) -> Request:
+    """One buffer's request (what every rank validates against the others'); with `invalid`
+    (this rank's argument error), one that only carries it, whatever the buffer's dtype."""
+    dtype = dtype_name(b, reduce) if invalid is None else str(b.dtype).replace("torch.", "")
+    return Request(rank=me, name=name, type=rtype, dtype=dtype, shape=tuple(b.shape),
+                   device=b.get_device() if b.is_cuda else -1, process_set_id=sid,
+                   invalid=invalid, **kw)
+
+
+def _refuse(reqs: list, buffers: Sequence[Buffer], exc: Exception):
+    """Raise `exc`, this rank's argument error for a collective (an unsupported dtype, bad
+    alltoall splits), as Horovod's enqueue does, but tell the other ranks first.
+
+    Why: they have submitted, or will submit, the same names, and waited for them until the
+    stall shutdown time (600 s by default), whose report then named this rank as hung. The
+    coordinator turns `invalid` into an error that names the tensor, this rank and `exc` on
+    every rank (negotiation.construct_response); a grouped call's members are all refused,
+    so that no member waits for the others. Waited for, so that the names are free again
+    when `exc` comes out."""
+    try:
+        _submit([Entry(r, _contiguous(b)) for r, b in zip(reqs, buffers)]).wait()
+    except Exception:
+        pass
+    raise exc
 
 
 def blocking_name(kind: str, name: Optional[str], process_set=None) -> naming.blocking_name:
@@ -246,8 +270,11 @@ def allreduce(buffers: Sequence[Buffer], *, names: Names = None, op: int = AVERA
         state, sid = _state(), set_id(process_set)
         if isinstance(names, str):
             names = (names,)
-        reqs = [_allreduce_request(state, sid, str(nm), b, op, prescale, postscale)
-                for nm, b in zip(names, buffers)]
+        try:
+            reqs = [_allreduce_request(state, sid, str(nm), b, op, prescale, postscale)
+                    for nm, b in zip(names, buffers)]
+        except ValueError as exc:
+            _refuse_allreduces(state, sid, names, buffers, op, prescale, postscale, exc)
     elif group and len(buffers) > 1 and cacheable is not False and op in REDUCE_OPS and (
             isinstance(names, str)
             or (isinstance(names, (list, tuple)) and len(names) == len(buffers))):
@@ -353,6 +380,17 @@ def _allreduce_request(state, sid: int, name: str, buffer: Buffer, op: int, pres
     return req
 
 
+def _refuse_allreduces(state, sid: int, names, buffers: list, op: int, prescale: float,
+                       postscale: float, exc: Exception):
+    """Raise `exc`, an argument error of one of these named allreduces, once the other ranks
+    were told about all of them (_refuse): each is its own collective, which they submitted
+    too."""
+    _refuse([_request(state.rank, str(nm), ALLREDUCE, b, sid, True, invalid=str(exc),
+                      cacheable=False, reduce_op=op, prescale=float(prescale),
+                      postscale=float(postscale)) for nm, b in zip(names, buffers)],
+            buffers, exc)
+
+
 def _request_fits(req: Request, buffer: Buffer, op: int, prescale: float,
                   postscale: float) -> bool:
     """Whether a kept allreduce request still describes `buffer` reduced by `op` with these
@@ -388,7 +426,10 @@ def _allreduce_now(buffer: Buffer, output: Buffer, name: Optional[str], op: int,
                    prescale: float, postscale: float, process_set, sid: int) -> Buffer:
     if isinstance(name, str) and op in REDUCE_OPS:
         state = _state()
-        req = _allreduce_request(state, sid, name, buffer, op, prescale, postscale)
+        try:
+            req = _allreduce_request(state, sid, name, buffer, op, prescale, postscale)
+        except ValueError as exc:
+            _refuse_allreduces(state, sid, [name], [buffer], op, prescale, postscale, exc)
         engine = state.engine
         done = engine.express(Entry(req, _contiguous(buffer), output))
         if done is True:
@@ -449,16 +490,9 @@ def alltoall(buffer: Buffer, splits: Optional[Sequence[int]] = None, *, names: N
                                                  len(set_ranks(process_set)),
                                                  dtype=splits_dtype)
     except ValueError as exc:
-        # Raise here, as Horovod's enqueue does, but tell the other ranks first: they have
-        # submitted (or will submit) this name and would otherwise wait for it until the stall
-        # shutdown time. The coordinator turns `invalid` into an error on every rank.
         (req,) = _requests("alltoall", ALLTOALL, [buffer], names, process_set, None, False)
         req.invalid = str(exc)
-        try:
-            _submit([Entry(req, _contiguous(buffer))]).wait()
-        except Exception:
-            pass
-        raise exc
+        _refuse([req], [buffer], exc)
     (req,) = _requests("alltoall", ALLTOALL, [buffer], names, process_set, None, False,
                        splits=split_list)
     entry = Entry(req, _contiguous(buffer))

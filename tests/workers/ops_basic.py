@@ -384,6 +384,35 @@ def errors():
     expect_raises(ValueError, lambda: hvd.reducescatter(b, op=hvd.Sum), "reducescatter bool")
     expect_raises(ValueError, lambda: hvd.allreduce(torch.ones(2), op=42), "unknown reduce op")
 
+    # An argument error on one rank only (an unsupported dtype there): that rank raises its
+    # ValueError, as Horovod's enqueue does, and every other rank gets an error that names the
+    # tensor, the rank and the reason at once (they waited for the stall shutdown, 600 s);
+    # named and unnamed, blocking, asynchronous and grouped; then the names work again.
+    odd = rank == size - 1
+
+    def refused(shape=(3,)):
+        return torch.zeros(shape, dtype=torch.complex64 if odd else torch.float32)
+    calls = {
+        "named allreduce": lambda: hvd.allreduce(refused(), name="onerank.ar", op=hvd.Sum),
+        "unnamed allreduce": lambda: hvd.allreduce(refused(), op=hvd.Sum),
+        "allreduce_async": lambda: hvd.synchronize(hvd.allreduce_async(
+            refused(), name="onerank.async", op=hvd.Sum)),
+        "grouped_allreduce": lambda: hvd.grouped_allreduce(
+            [torch.ones(2), refused()], name="onerank.group", op=hvd.Sum),
+        "allgather": lambda: hvd.allgather(refused(), name="onerank.ag"),
+        "broadcast": lambda: hvd.broadcast(refused(), 0, name="onerank.bc"),
+    }
+    for what, fn in calls.items():
+        if odd:
+            expect_raises(ValueError, fn, f"{what} of complex64 on rank {rank}",
+                          match="ComplexFloatTensor is not supported")
+        else:
+            expect_raises(hvd.HorovodInternalError, fn, f"{what} when rank {size - 1} refused it",
+                          match=[f"invalid arguments on rank {size - 1}",
+                                 "ComplexFloatTensor is not supported"])
+    same(hvd.allreduce(torch.ones(3), name="onerank.ar", op=hvd.Sum),
+         torch.full((3,), float(size)), "'onerank.ar' used alike afterwards")
+
     # Duplicate name while the first one is in flight.
     x = torch.ones(5) * (rank + 1)
     h = hvd.allreduce_async(x, name="dup", op=hvd.Sum)
