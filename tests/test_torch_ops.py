@@ -22,6 +22,7 @@ BASIC_CHECKS = [
     "allreduce_Average", "allreduce_Sum", "allreduce_Min", "allreduce_Max",
     "allreduce_Product",
     "allreduce_variants",
+    "min_max_nan",
     "grouped_allreduce_Average", "grouped_allreduce_Sum", "grouped_allreduce_Min",
     "grouped_allreduce_Max", "grouped_allreduce_Product",
     "allgather", "scalar_errors",

@@ -62,6 +62,48 @@ def allreduce_matrix(opname):
     log(f"allreduce {opname}: {n} cases")
 
 
+def _min_max_ref(xs: list, op) -> torch.Tensor:
+    """Min or Max over `xs`, NaN where any is NaN (torch.minimum / maximum)."""
+    pick = torch.maximum if op == hvd.Max else torch.minimum
+    out = xs[0]
+    for x in xs[1:]:
+        out = pick(out, x)
+    return out
+
+
+def min_max_nan_and_signed_zeros():
+    """Min and Max where a rank has a NaN, or +0 against -0: a NaN anywhere gives NaN, and
+    every rank gets the same values (MPI's own MIN/MAX depend on the order the operands meet
+    in, which differs between ranks: the ranks got different results), for float32 and
+    float64, lone and fused. (+0 and -0 compare equal, and may come out either way.)"""
+    nan = float("nan")
+    rows = [[nan, 0.0, 1.0, -0.0, 2.0], [1.0, -0.0, nan, -0.0, 3.0]]
+    for dtype in (torch.float32, torch.float64):
+        xs = [torch.tensor(rows[r % 2], dtype=dtype) * (1 if r < 2 else 0.5)
+              for r in range(size)]
+        for opname, op in (("Max", hvd.Max), ("Min", hvd.Min)):
+            got = {"lone": (hvd.allreduce(xs[rank], op=op, name=f"nanmm.{opname}.{dtype}"),
+                            _min_max_ref(xs, op))}
+            handles = [hvd.allreduce_async(xs[rank] * (k + 1), op=op,
+                                           name=f"nanmm.f{k}.{opname}.{dtype}")
+                       for k in range(3)]
+            for k, h in enumerate(handles):
+                got[f"fused {k}"] = (hvd.synchronize(h),
+                                     _min_max_ref([x * (k + 1) for x in xs], op))
+            for what, (out, want) in got.items():
+                every = hvd.allgather(out.unsqueeze(0), name=f"nanmm.all.{what}")
+                if not all(torch.equal(every[0].isnan(), every[r].isnan())
+                           and torch.equal(every[0].nan_to_num(), every[r].nan_to_num())
+                           for r in range(size)):
+                    raise AssertionError(f"{opname} {dtype} {what}: the ranks got different "
+                                         f"results: {every.tolist()}")
+                same_nan = torch.equal(torch.isnan(out), torch.isnan(want))
+                real = ~torch.isnan(want)
+                if not (same_nan and torch.equal(out[real], want[real])):   # (0.0 == -0.0)
+                    raise AssertionError(f"{opname} {dtype} {what}: {out.tolist()} against "
+                                         f"{want.tolist()}")
+
+
 def allreduce_variants():
     for dtype in ALL_DTYPES:
         for opname in ("Sum", "Average", "Min"):
@@ -514,6 +556,7 @@ check("topology", topology)
 for opname in REDUCE_OPS:
     check(f"allreduce_{opname}", allreduce_matrix, opname)
 check("allreduce_variants", allreduce_variants)
+check("min_max_nan", min_max_nan_and_signed_zeros)
 for opname in REDUCE_OPS:
     check(f"grouped_allreduce_{opname}", grouped_allreduce, opname)
 check("allgather", allgather_all)

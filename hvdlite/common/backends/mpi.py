@@ -58,6 +58,43 @@ def _ops() -> dict:
     return _OPS
 
 
+def _op(op: int, dtype: torch.dtype):
+    """The MPI op that reduces `dtype` by `op`: MPI's own, but for the minimum and maximum of
+    floating-point data one of hvdlite's (_float_min_max)."""
+    if (op == MIN or op == MAX) and dtype.is_floating_point:
+        return _float_min_max(op)
+    return _ops()[op]
+
+
+_FLOAT_OPS: dict = {}
+
+
+def _float_min_max(op: int):
+    """An MPI op for the minimum or maximum of float32 / float64 data in which a NaN anywhere
+    gives NaN on every rank, as torch.minimum / maximum and hvdlite's gloo and shared-memory
+    paths give.
+
+    Why: MPICH's MPI_MIN / MPI_MAX compare with `<`, so whether a NaN survives depends on the
+    order the operands meet in, which differs between ranks: with a NaN on rank 0 and 1.0 on
+    rank 1, rank 0 got 1.0 and rank 1 NaN, and the ranks went apart silently (a NaN check on
+    the loss then took different branches). One NumPy pass over each piece MPI hands it, in
+    place. (+0 against -0 may still come out either way, and a NaN's sign bit: both compare
+    equal, so no branch depends on it.)"""
+    made = _FLOAT_OPS.get(op)
+    if made is not None:
+        return made
+    pick = np.maximum if op == MAX else np.minimum
+    kinds = {4: np.float32, 8: np.float64}
+
+    def reduce(inbuf, inoutbuf, datatype) -> None:
+        kind = kinds[datatype.Get_size()]
+        b = np.frombuffer(inoutbuf, dtype=kind)
+        pick(np.frombuffer(inbuf, dtype=kind), b, out=b)
+
+    made = _FLOAT_OPS[op] = MPI.Op.Create(reduce, commute=True)
+    return made
+
+
 def wait_mode(local_ranks: int | None = None) -> str:
     """'spin' or 'yield': how waits for MPI requests use the core.
 
@@ -528,12 +565,13 @@ class MPICommunicator(shm.ShmRouted):
         (those go one by one through _allreduce) or shared memory carries the data."""
         if self.fuses_in_place or any(t.dtype in _WIDEN for t in tensors):
             return None
-        return _Sequence(self.comm, [_array(t) for t in tensors], _ops()[op], self.waiter)
+        return _Sequence(self.comm, [_array(t) for t in tensors], _op(op, tensors[0].dtype),
+                         self.waiter)
 
     def _allreduce(self, tensor: torch.Tensor, op: int):
         wide = _WIDEN.get(tensor.dtype)
         work = tensor.to(wide) if wide is not None else tensor
-        req = self.comm.Iallreduce(MPI.IN_PLACE, _array(work), _ops()[op])
+        req = self.comm.Iallreduce(MPI.IN_PLACE, _array(work), _op(op, work.dtype))
         return _Request(req, "allreduce", self.waiter, work if wide is not None else None,
                         tensor)
 
@@ -541,7 +579,7 @@ class MPICommunicator(shm.ShmRouted):
         wide = _WIDEN.get(output.dtype)
         out = output.to(wide) if wide is not None else output
         src = tensor.to(wide) if wide is not None else tensor
-        req = self.comm.Ireduce_scatter_block(_array(src), _array(out), _ops()[op])
+        req = self.comm.Ireduce_scatter_block(_array(src), _array(out), _op(op, src.dtype))
         return _Request(req, "reducescatter", self.waiter, out if wide is not None else None,
                         output)
 
