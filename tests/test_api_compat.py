@@ -180,3 +180,15 @@ def test_tf_error_classes_are_horovods_and_hvdlites():
     assert isinstance(e, tf.errors.UnimplementedError)
     other = HorovodInternalError("peer died")
     assert as_tf_error(other) is other      # kept: elastic recovery catches it as it is
+
+
+def test_submodules_hold_what_horovods_hold():
+    """Horovod's horovod.torch.mpi_ops defines the basics too (`from horovod.torch.mpi_ops
+    import rank, size` is common), and horovod.torch.elastic re-exports init and shutdown:
+    the same objects as hvdlite.torch's."""
+    import hvdlite.torch.elastic as elastic
+    import hvdlite.torch.mpi_ops as mpi_ops
+    for name in NO_ARGS + ["init", "start_timeline", "add_process_set", "remove_process_set",
+                           "ProcessSet", "global_process_set", "HorovodInternalError"]:
+        assert getattr(mpi_ops, name) is getattr(hvd, name), name
+    assert elastic.init is hvd.init and elastic.shutdown is hvd.shutdown

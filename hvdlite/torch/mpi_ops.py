@@ -12,6 +12,11 @@ import torch
 
 from ..common import basics as _basics
 from ..common import ops as _ops
+from ..common.basics import (add_process_set, ccl_built, cross_rank, cross_size,  # noqa: F401
+                             cuda_built, ddl_built, gloo_built, gloo_enabled, is_homogeneous,
+                             is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
+                             mpi_threads_supported, nccl_built, rank, remove_process_set,
+                             rocm_built, size, start_timeline, stop_timeline)
 from ..common.exceptions import HorovodInternalError
 from ..common.messages import (ADASUM, AVERAGE, MAX, MIN, PRODUCT, SUM,
                                handle_average_backwards_compatibility)
@@ -560,6 +565,18 @@ def _reset() -> None:
     """Forget handles (shutdown/init)."""
     with _handle_lock:
         _handle_map.clear()
+
+
+def init(comm=None, process_sets=None) -> None:
+    """Initialize hvdlite (Horovod's `hvd.init`)."""
+    _reset()
+    _basics.init(comm, process_sets)
+
+
+def shutdown() -> None:
+    """Shut hvdlite down; `init()` may be called again afterwards."""
+    _basics.shutdown()
+    _reset()
 
 
 __all__ = [

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from ...common.elastic import HostUpdateResult, ObjectState, State, run_fn
 from ...common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from ..mpi_ops import init, shutdown  # noqa: F401  (in Horovod's horovod.torch.elastic too)
 from .sampler import ElasticSampler
 from .state import (ModelStateHandler, OptimizerStateHandler, SamplerStateHandler,
                     StateHandler, TorchState, get_handler_registry, set_handler_registry)
@@ -32,8 +33,6 @@ __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler", "State
 
 
 def _reset() -> None:
-    from .. import init, shutdown
-
     shutdown()
     init()
 
