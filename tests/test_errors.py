@@ -24,6 +24,20 @@ def test_rank_that_exits_early_fails_the_others_fast():
 
 
 @pytest.mark.timeout(120)
+def test_rank_that_crashes_names_its_exception_to_the_others():
+    """A rank that ends on an uncaught exception tells the others which (its first line), not
+    that it shut down as a rank out of data would, whose hint (hvd.join()) misled."""
+    res = spawn_ranks("errors_early_exit.py", np=2, args=["raise"], timeout=90)
+    assert res[1].returncode == 1 and "the loader failed on batch 7" in res[1].stderr
+    assert res[0].returncode == 0, res[0].stdout + res[0].stderr
+    line = [x for x in res[0].stdout.splitlines() if x.startswith("RAISED")][0]
+    assert float(line.split()[1]) < 10
+    assert ("rank 1 exited after an uncaught ValueError: the loader failed on batch 7, while "
+            "'after' still needed it") in line, line
+    assert "hvd.join()" not in line and "a second line" not in line, line
+
+
+@pytest.mark.timeout(120)
 def test_killed_peer_fails_the_others_fast():
     res = spawn_ranks("errors_early_exit.py", np=2, args=["kill"], timeout=90)
     assert res[1].returncode == -9
@@ -103,6 +117,12 @@ def test_steady_hit_after_a_member_shut_down_raises(transport, wait_s):
     assert "rank(s) [1] already called hvd.shutdown()" in line[0], line[0]
     assert "'steady.g0'" in line[0], line[0]
     assert float(line[0].split()[1]) < 5, line[0]
+    if wait_s == "0.5":     # a crash instead, its GONE item carrying the reason
+        proc = hvdlite_run("steady_gone.py", np=2, args=[wait_s, "raise"], timeout=120,
+                           launcher_args=launcher, check=False)
+        line = [x for x in rank_lines(proc.stdout, 0) if x.startswith("RAISED")]
+        assert line and ("rank 1 exited after an uncaught RuntimeError: rank 1 crashed in its "
+                         "step, while 'steady.g0' still needed it") in line[0], proc.stdout
 
 
 @pytest.mark.timeout(120)

@@ -92,7 +92,7 @@ def _engine_with_round(round_no: int):
 
     eng = Engine.__new__(Engine)
     eng._lock = threading.Lock()
-    eng.steady, eng._inflight, eng._rounds_left = {}, {}, {}
+    eng.steady, eng._inflight, eng._rounds_left, eng._gone_reasons = {}, {}, {}, {}
     eng._releasing, eng._closed = False, None
     eng.counters = {"steady_released": 0, "steady_rounds": 0}
     st = SteadySet(0, 3, [0, 1, 2, 3], 0)

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from typing import Optional
@@ -120,6 +121,7 @@ def init(comm=None, process_sets=None) -> None:
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
+        _watch_uncaught()
 
 
 def _init_once(comm, settings: Settings, dynamic: bool, static: list,
@@ -322,6 +324,31 @@ def _warn_unauthenticated(ident) -> None:
                 ident.store_port)
 
 
+def _note_uncaught(kind, value, tb) -> None:
+    """sys.excepthook while hvdlite runs: remember what ends the process, then print it as
+    the hook before would (the atexit shutdown that follows tells the other ranks).
+
+    Why: a rank that crashed left its peers "rank 1 already called hvd.shutdown() ... use
+    hvd.join() for uneven inputs", which sent people looking for uneven data; now they read
+    that rank 1 exited after an uncaught ValueError, and its message."""
+    global _exit_reason
+    text = str(value).strip().splitlines()
+    _exit_reason = f"an uncaught {kind.__name__}" + (f": {text[0][:200]}" if text else "")
+    (_previous_excepthook or sys.__excepthook__)(kind, value, tb)
+
+
+_exit_reason: Optional[str] = None
+_previous_excepthook = None
+
+
+def _watch_uncaught() -> None:
+    """Put _note_uncaught in front of the process's excepthook (once)."""
+    global _previous_excepthook
+    if sys.excepthook is not _note_uncaught:
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _note_uncaught
+
+
 def shutdown() -> None:
     """Stop the background thread; pending collectives fail. init() may be called again."""
     global _state
@@ -331,6 +358,7 @@ def shutdown() -> None:
             return
         _state = None
         if state.engine is not None:
+            state.engine.exit_reason = _exit_reason
             state.engine.shutdown()
         if state.coordinator is not None:
             # Keep serving ranks that are still finishing (e.g. collectives in a process set

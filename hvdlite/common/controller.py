@@ -96,6 +96,8 @@ class Coordinator:
         # running (it says why there is a list).
         self._checks: collections.deque = collections.deque()
         self._checking = False
+        # rank -> why it left, where its SHUTDOWN said (an uncaught exception): gone_message.
+        self._gone_reasons: dict[int, str] = {}
         self.timeline = timeline
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -490,6 +492,8 @@ class Coordinator:
                     s.waiting.pop(s.index[rank], None)
         elif kind == Msg.SHUTDOWN:
             rounds = msg[1] if len(msg) > 1 and isinstance(msg[1], dict) else {}
+            if len(msg) > 2 and isinstance(msg[2], str):
+                self._gone_reasons[rank] = msg[2]        # it exited after an exception
             self._on_shutdown(rank, out, rounds)
         elif kind == Msg.FAILED:
             self._stop_with(f"rank {rank} failed while running a collective: {msg[1]}", out)
@@ -524,7 +528,7 @@ class Coordinator:
         idx = s.index[rank]
         if s.gone:
             gone = sorted(s.ranks[i] for i in s.gone)
-            self._send_error(rank, s.id, [req.name], self._gone_message(gone, req.name), out)
+            self._send_error(rank, s.id, [req.name], self._gone_message(gone, repr(req.name)), out)
             return
         if req.type == JOIN:
             self._on_join(s, idx, rank, ready)
@@ -755,7 +759,9 @@ class Coordinator:
                 epoch, done = rounds.get(s.id, (None, None))
                 for other in s.ranks:
                     if other != rank:
-                        out.setdefault(other, []).append((Item.GONE, s.id, [rank], epoch, done))
+                        reason = self._gone_reasons.get(rank)
+                        out.setdefault(other, []).append(
+                            (Item.GONE, s.id, [rank], epoch, done) + ((reason,) if reason else ()))
             bits = 0
             for b in s.pending_bits:
                 bits |= b
@@ -780,9 +786,8 @@ class Coordinator:
                 names.append(entry.template.names[0])
         return names
 
-    @staticmethod
-    def _gone_message(gone: list, what: str) -> str:
-        return gone_message(gone, what)
+    def _gone_message(self, gone: list, what: str) -> str:
+        return gone_message(gone, what, self._gone_reasons)
 
     # ------------------------------------------------------------------ process sets
     def _add_process_set(self, resp: Response) -> None:

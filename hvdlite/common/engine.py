@@ -347,6 +347,10 @@ class Engine:
         # set -> (epoch, rounds finished) of steady states this rank has left (fallback, a
         # departed member): its "S" message carries them with the current ones (_steady_gone).
         self._rounds_left: dict[int, tuple[int, int]] = {}
+        # Why this rank leaves, told the coordinator at shutdown (basics.exit_reason: an
+        # uncaught exception), and why others left, as their GONE items said.
+        self.exit_reason: str | None = None
+        self._gone_reasons: dict[int, str] = {}
         self.epochs: dict[int, int] = {}            # set -> last "D" epoch seen
         self._early: dict[tuple[int, int], list] = {}   # (set, epoch) -> K messages before "D"
         self._peer_out: dict[int, Channel] = {}
@@ -1125,7 +1129,9 @@ class Engine:
         self._close(SHUT_DOWN_MESSAGE)
         self._close_peer_sockets()
         try:
-            self.channel.send((Msg.SHUTDOWN, rounds))
+            reason = self.exit_reason
+            self.channel.send((Msg.SHUTDOWN, rounds) if reason is None else
+                              (Msg.SHUTDOWN, rounds, reason))
         except OSError:
             pass
         self.channel.close()
@@ -1293,6 +1299,8 @@ class Engine:
                 elif tag == Item.TAKE_BACK:
                     self._take_back(item[1], item[2], item[3])
                 elif tag == Item.GONE:
+                    if len(item) > 5 and item[5]:
+                        self._gone_reasons.update({r: item[5] for r in item[2]})
                     self._steady_gone(item[1], item[2], *item[3:5])
                 elif tag == Item.RESEND:
                     self._resend(item[1], item[2])
@@ -1669,7 +1677,7 @@ class Engine:
         if not entries:
             return
         what = ", ".join(repr(e.request.name) for e in entries[:6])
-        message = gone_message(gone, what)
+        message = gone_message(gone, what, self._gone_reasons)
         for e in entries:
             with self._lock:
                 self._inflight.pop((sid, e.request.name), None)

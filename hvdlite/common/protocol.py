@@ -35,8 +35,9 @@ class Msg(_Tag):
     TOPOLOGY = "T"       # coordinator -> rank: ("T", {local/cross rank and size, set ids, ...})
     QUERY = "Q"          # rank -> coordinator: ("Q", [Request, ...], [(set_id, bit mask), ...])
     RESPONSES = "R"      # coordinator -> rank: ("R", [item, ...]), items tagged by `Item`
-    SHUTDOWN = "S"       # rank -> coordinator: ("S", {set: (epoch, rounds)}) this rank leaves
-    #                      cleanly, having finished `rounds` steady rounds of each steady set
+    SHUTDOWN = "S"       # rank -> coordinator: ("S", {set: (epoch, rounds)}[, reason]) this
+    #                      rank leaves, having finished `rounds` steady rounds of each steady
+    #                      set; `reason`: why, where it crashed ("an uncaught ValueError: ...")
     FAILED = "X"         # rank -> coordinator: ("X", message) a collective failed on this rank
     FATAL = "F"          # coordinator -> rank: ("F", message[, {"hung": [ranks], "dump": why}])
     #                      the job failed; fail everything (hung ranks go to the elastic driver,
@@ -69,8 +70,9 @@ class Item(_Tag):
     #                      rounds carry them, once the bits handed out outgrow COMPACT_WIDTH
     TAKE_BACK = "Y"      # ("Y", set_id, names, bits): sent before this rank saw the latest
     #                      "D"; release them the way the set is released now
-    GONE = "G"           # ("G", set_id, [rank], epoch, rounds): a member shut down while the
-    #                      set was steady, after finishing `rounds` rounds of `epoch` (or None)
+    GONE = "G"           # ("G", set_id, [rank], epoch, rounds[, reason]): a member shut down
+    #                      while the set was steady, after finishing `rounds` rounds of `epoch`
+    #                      (or None); `reason` as its SHUTDOWN said
 
 
 __all__ = ["Msg", "Item"]

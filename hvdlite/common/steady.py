@@ -136,8 +136,16 @@ from .protocol import Msg
 STEADY_MSG = Msg.ROUND
 
 
-def gone_message(gone: list, what: str) -> str:
-    """The error for collectives that a rank which already shut down still had to join."""
+def gone_message(gone: list, what: str, reasons: dict | None = None) -> str:
+    """The error for collectives that a rank which already shut down still had to join.
+    `reasons`: rank -> why it left, where it said (an uncaught exception: basics.exit_reason);
+    such a rank crashed, and the hint about uneven data would mislead."""
+    said = {r: reasons[r] for r in gone if reasons and r in reasons}
+    if said:
+        why = "; ".join(f"rank {r} exited after {said[r]}" for r in sorted(said))
+        return (f"Horovod has been shut down: {why}, while {what} still needed "
+                f"{'it' if len(gone) == 1 else f'ranks {gone}'}. See that rank's output for "
+                f"the traceback.")
     return (f"Horovod has been shut down: rank(s) {gone} already called hvd.shutdown() (or "
             f"finished) while {what} still needed them. This is usually a rank that ran "
             f"out of data early; use hvd.join() for uneven inputs.")

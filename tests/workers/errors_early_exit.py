@@ -1,4 +1,5 @@
-"""Rank 1 finishes early (it calls shutdown and exits); rank 0's next collective must fail fast."""
+"""Rank 1 finishes early (it calls shutdown and exits), dies (kill), or crashes on an uncaught
+exception (raise); rank 0's next collective must fail fast, and say which."""
 import sys
 import time
 
@@ -13,6 +14,8 @@ if r == 1:
     mode = sys.argv[1]
     if mode == "exit":
         sys.exit(0)          # atexit runs hvd.shutdown()
+    if mode == "raise":
+        raise ValueError("the loader failed on batch 7\n(a second line, not shown)")
     if mode == "kill":
         import os
         import signal
