@@ -509,3 +509,23 @@ def test_scale_gives_torchs_bits_on_every_path_and_bumps_the_version(dtype):
     arith.scale_(saved, 0.5)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_hang_report_skips_collectives_that_already_failed():
+    """The hang report names the first collective still in progress on each rank: one that
+    failed earlier (a mismatch the job went on from) is over, not the one waited on."""
+    from hvdlite.runner.hang_report import divergence
+
+    def rec(name, state):
+        return {"name": name, "op": "allreduce", "shape": [2], "dtype": "float32",
+                "process_set": 0, "state": state}
+
+    old = rec("mismatch.shape", "failed")
+    dumps = {0: {"records": [old, rec("step.1", "done"), rec("loss", "started")]},
+             1: {"records": [old, rec("step.1", "done"), rec("grad.w", "enqueued")]}}
+    text = divergence(dumps)
+    assert "rank 0: allreduce 'loss'" in text and "rank 1: allreduce 'grad.w'" in text, text
+    assert "mismatch.shape" not in text, text
+    dumps[1]["records"][-1] = rec("loss", "enqueued")
+    assert "waits on the same collective: allreduce 'loss'" in divergence(dumps)
+    assert divergence({0: {"records": [old]}, 1: {"records": [old]}}) is None

@@ -99,7 +99,10 @@ def _describe(rec: Optional[dict]) -> str:
 
 
 def _pending(dump: dict) -> list[dict]:
-    return [r for r in dump.get("records", []) if r.get("state") != "done"]
+    """The records of collectives still in progress (enqueued or started): not those that
+    finished, failed ones included (a mismatch that failed long before was named as the
+    collective every rank waited on)."""
+    return [r for r in dump.get("records", []) if r.get("state") not in ("done", "failed")]
 
 
 def _user_line(dump: dict) -> str:
