@@ -23,7 +23,7 @@ from . import naming
 from . import validation as _validation
 from .collectives import DTYPE_NAMES
 from .engine import Entry, Finished
-from .exceptions import NotInitializedError
+from .exceptions import HorovodInternalError, NotInitializedError
 from .messages import (ADASUM, ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BARRIER,
                        BROADCAST, JOIN, MAX, MIN, PRODUCT, REDUCESCATTER, REMOVE_PROCESS_SET,
                        SUM, Request)
@@ -151,8 +151,11 @@ def check_reduce_op(op, process_set=None, buffers: Sequence[Buffer] = (),
                 raise ValueError(f"op=Adasum needs floating-point tensors (float16, bfloat16, "
                                  f"float32 or float64); got {t.dtype}.")
         return
-    if op == ADASUM and what == "reducescatter":   # Horovod: RuntimeError
-        raise RuntimeError("reducescatter does not support op=Adasum; use Average or Sum")
+    if op == ADASUM and what == "reducescatter":
+        # Horovod's enqueue returns Aborted ("Reducescatter currently only supports AVERAGE
+        # and SUM."), a RuntimeError that its frontend re-raises as HorovodInternalError.
+        raise HorovodInternalError("reducescatter does not support op=Adasum; use Average, "
+                                   "Sum, Min, Max or Product")
     if op not in REDUCE_OPS:
         if what == "allreduce":
             raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Min, Max or "
