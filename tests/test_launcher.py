@@ -54,9 +54,13 @@ def gone(pid: int, wait: float = 3.0) -> bool:
 # --------------------------------------------------------------------------- parsing, no ranks
 
 @pytest.mark.timeout(30)
-def test_every_horovodrun_flag_parses(tmp_path):
+def test_every_horovodrun_flag_parses(tmp_path, monkeypatch):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("localhost slots=4\n")
+    # (Interfaces are checked against this machine's where every host is this one.)
+    import hvdlite.runner.launch as launch_mod
+    monkeypatch.setattr(launch_mod.socket, "if_nameindex",
+                        lambda: [(1, "lo"), (2, "eth0"), (3, "eth1"), (4, "eth2")])
     args = parse_args([
         "-np", "2", "-hostfile", str(hostfile), "-p", "2222", "-i", "/tmp/key", "--gloo",
         "--network-interfaces", "eth0,eth1", "--network-interface", "eth2",
@@ -191,6 +195,8 @@ def test_check_build():
      "argument --min-np/--min-num-proc: 4 is larger than --max-np 2"),
     ("-np 1 -H localhost:0 true", "slots must be a positive integer"),
     ("-np 1 --start-timeout 0 true", "argument --start-timeout: must be >= 1"),
+    ("-np 1 --network-interface bogus0 true",
+     "argument --network-interfaces: this machine has no interface bogus0; it has "),
 ])
 def test_usage_errors(args, message):
     out = launch(*args.split(), timeout=20)
@@ -198,10 +204,35 @@ def test_usage_errors(args, message):
     assert "hvdlite-run: error:" in out.stderr and message in out.stderr, out.stderr
 
 
+@pytest.mark.timeout(30)
+def test_max_np_alone_leaves_a_job_fixed_size():
+    """As horovodrun decides (its _is_elastic): --min-np or a discovery script make a job
+    elastic, --max-np alone does not (`-np 2 --max-np 4` started 4 ranks); and horovodrun's
+    hidden --no-log-hide-timestamp alias is taken."""
+    args = parse_args(["-np", "2", "--max-np", "4", "--no-log-hide-timestamp", "true"])
+    assert not args.elastic and [(h.name, h.slots) for h in args.host_list] == \
+        [("localhost", 2)]
+    assert args.log_with_timestamp is True
+    assert parse_args(["-np", "2", "--min-np", "1", "--max-np", "4", "true"]).elastic
+
+
+@pytest.mark.timeout(30)
+def test_elastic_timeout_comes_from_horovods_variable_too():
+    from hvdlite.runner.env_flags import elastic_timeout_s
+    assert elastic_timeout_s(None, {}) == 600
+    assert elastic_timeout_s(None, {"HOROVOD_ELASTIC_TIMEOUT": "7"}) == 7
+    assert elastic_timeout_s(None, {"HOROVOD_ELASTIC_TIMEOUT": "7",
+                                    "HVDLITE_ELASTIC_TIMEOUT": "9"}) == 9
+    assert elastic_timeout_s(3, {"HOROVOD_ELASTIC_TIMEOUT": "7"}) == 3     # the flag wins
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args, message", [
     ("-np 1 --jsrun true", "hvdlite-run: --jsrun is not available yet"),
     ("-np 2 --mpi --min-np 1 true", "hvdlite-run: --mpi cannot run elastic jobs"),
+    ("-np 1 --mpi -p 2222 --output-filename out true",
+     "hvdlite-run: -p/--ssh-port, --output-filename cannot be used with --mpi: mpiexec starts "
+     "the ranks (pass its own options with --mpi-args), or drop --mpi"),
 ])
 def test_not_available_yet(args, message):
     out = launch(*args.split(), timeout=20)

@@ -166,6 +166,8 @@ VARIABLES: tuple[Var, ...] = (
        "checked once already", _L, "identity"),
     # elastic
     _v("ELASTIC", "bool", False, "the job is elastic (set by hvdlite-run)", group="elastic"),
+    _v("ELASTIC_TIMEOUT", "int", 600, "seconds an elastic job waits for its `--min-np` slots "
+       "(`--elastic-timeout` wins)", group="elastic"),
     _v("ELASTIC_WORKER", "str", None, "`<host>:<slot>` of an elastic worker (set by "
        "hvdlite-run)", _L, "elastic"),
     _v("ELASTIC_SPAWN", "str", None, "id of this spawn of an elastic slot (set by "

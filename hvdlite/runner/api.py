@@ -49,9 +49,9 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dic
 
     Same signature as `horovod.run` (`np`, `min_np`, `max_np` are its deprecated aliases).
     `hosts="a:2,b:2"` runs ranks on other hosts over ssh (`ssh_port`, `ssh_identity_file`).
-    With `min_num_proc`, `max_num_proc` or `host_discovery_script` the job is elastic: `func`
-    should train through `hvd.elastic.run`, and the result is the list of values returned by the
-    workers of the last round. Raises ValueError for bad arguments and RuntimeError naming the
+    With `min_num_proc` or `host_discovery_script` the job is elastic (`max_num_proc` caps
+    it): `func` should train through `hvd.elastic.run`, and the result is the list of values
+    returned by the workers of the last round. Raises ValueError for bad arguments and RuntimeError naming the
     rank, with the remote traceback, when a rank raises or dies.
     """
     import cloudpickle
@@ -65,8 +65,8 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dic
     hargs.num_proc = num_proc if num_proc is not None else np
     hargs.min_num_proc = min_num_proc if min_num_proc is not None else min_np
     hargs.max_num_proc = max_num_proc if max_num_proc is not None else max_np
-    elastic = any(v is not None for v in (hargs.min_num_proc, hargs.max_num_proc,
-                                          host_discovery_script))
+    # Elastic as horovod.run decides it: a minimum or a discovery script (launch.check_args).
+    elastic = hargs.min_num_proc is not None or host_discovery_script is not None
     if hargs.num_proc is None and not elastic:
         hargs.num_proc = 1  # horovod.run's default
     hargs.slots = slots

@@ -7,7 +7,7 @@ the config file and `hvdlite.runner.run` all go through `tuning_env`, so there i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 from hvdlite.common import config
 
@@ -91,6 +91,23 @@ def tuning_env(args: Any) -> dict[str, str]:
         else:
             out[flag.name] = text
     return out
+
+
+def elastic_timeout_s(flag: Optional[int], environ: Mapping[str, str],
+                      default: int = 600) -> int:
+    """How long an elastic job waits for its minimum of slots: --elastic-timeout, else
+    HVDLITE_ELASTIC_TIMEOUT / HOROVOD_ELASTIC_TIMEOUT (horovodrun's elastic driver reads it),
+    else 600 s."""
+    if flag is not None:
+        return flag
+    for key in ("HVDLITE_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT"):
+        value = config.raw(key, environ=environ)
+        if value:
+            try:
+                return int(float(value))
+            except ValueError:
+                raise ValueError(f"{key} must be a number of seconds, got {value!r}") from None
+    return default
 
 
 def start_timeout_from_env(environ: Mapping[str, str], default: int = 30) -> int:

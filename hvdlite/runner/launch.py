@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 import sys
 from typing import Any, Mapping, Optional, Sequence
 
 from hvdlite.common import config
 from hvdlite.runner.config_file import ConfigError, apply_config, load_config
-from hvdlite.runner.env_flags import LOG_LEVELS, start_timeout_from_env, tuning_env
+from hvdlite.runner.env_flags import (LOG_LEVELS, elastic_timeout_s, start_timeout_from_env,
+                                      tuning_env)
 from hvdlite.runner.hosts import (HostError, HostSpec, assign_slots, is_local_host,
                                   parse_hostfile, parse_hosts, too_few_slots_message,
                                   total_slots)
@@ -197,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
                           dest="log_with_timestamp", action="store_const", const=False,
                           default=None, help="Hide the time in hvdlite's log records (sets "
                                              "HOROVOD_LOG_HIDE_TIME=1).")
+    log_pair.add_argument("--no-log-hide-timestamp", dest="log_with_timestamp",
+                          action="store_const", const=True, default=None,
+                          help=argparse.SUPPRESS)        # (horovodrun's deprecated alias)
     log.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp",
                      dest="prefix_output_with_timestamp", action="store_true",
                      help="Prefix every forwarded output line with a timestamp.")
@@ -323,6 +328,26 @@ def _check_values(args: argparse.Namespace) -> None:
                          "--stall-check-warning-time-seconds")
 
 
+def _check_nics(args: argparse.Namespace) -> None:
+    """--network-interface(s) must name interfaces this machine has, where every host is this
+    machine (other hosts' interfaces are theirs to have); UsageError otherwise.
+
+    Why: gloo failed inside the first collective on every rank ("[enforce fail at ...
+    device.cc:84] ifa != nullptr. Unable to find address for: bogus0"), and a job with no
+    collectives succeeded; horovodrun checks the names before it starts anything."""
+    if not args.nics or not args.host_list or \
+            not all(is_local_host(h.name) for h in args.host_list):
+        return
+    try:
+        have = [name for _, name in socket.if_nameindex()]
+    except OSError:                  # (no interface table to read: gloo will say)
+        return
+    missing = [n for n in args.nics if n not in have]
+    if missing:
+        raise UsageError(f"argument --network-interfaces: this machine has no interface "
+                         f"{', '.join(missing)}; it has {', '.join(have)}")
+
+
 def check_args(args: argparse.Namespace, need_command: bool = True,
                environ: Optional[Mapping[str, str]] = None) -> None:
     """Validate parsed arguments and resolve hosts; raises UsageError. Sets `args.elastic`,
@@ -331,8 +356,10 @@ def check_args(args: argparse.Namespace, need_command: bool = True,
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
     _check_values(args)
-    args.elastic = any(v is not None for v in
-                       (args.min_num_proc, args.max_num_proc, args.host_discovery_script))
+    # Elastic as horovodrun decides it (launch.py's _is_elastic): a minimum or a discovery
+    # script. (--max-np alone made the job elastic and gave localhost max(-np, --max-np)
+    # slots, so `-np 2 --max-np 4` started 4 ranks.)
+    args.elastic = args.min_num_proc is not None or args.host_discovery_script is not None
     args.host_list = None
     if args.check_build:
         return
@@ -370,7 +397,8 @@ def check_args(args: argparse.Namespace, need_command: bool = True,
         elif args.hostfile:
             args.host_list = parse_hostfile(args.hostfile)
         elif args.num_proc is not None and not args.host_discovery_script:
-            args.host_list = [HostSpec("localhost", max(args.num_proc, args.max_num_proc or 0))]
+            args.host_list = [HostSpec("localhost", max(args.num_proc, args.max_num_proc or 0)
+                                       if args.elastic else args.num_proc)]
         elif not args.host_discovery_script:  # elastic, -np not given: localhost, enough slots
             args.host_list = [HostSpec("localhost",
                                        max(args.min_num_proc or 1, args.max_num_proc or 1))]
@@ -378,6 +406,7 @@ def check_args(args: argparse.Namespace, need_command: bool = True,
         raise UsageError(str(e)) from None
     if not args.elastic and args.num_proc > total_slots(args.host_list):
         raise UsageError(too_few_slots_message(args.num_proc, args.host_list))
+    _check_nics(args)
     if need_command and not args.command:
         raise UsageError(f"no command given: {PROG} -np N [options] command [args ...]")
 
@@ -443,7 +472,7 @@ def elastic_spec(args: argparse.Namespace, command: list[str], env: dict[str, st
     return ElasticSpec(
         command=command, env=env, discovery=discovery, num_proc=num_proc, min_np=min_np,
         max_np=args.max_num_proc, start_timeout=args.start_timeout,
-        elastic_timeout=600 if args.elastic_timeout is None else args.elastic_timeout,
+        elastic_timeout=elastic_timeout_s(args.elastic_timeout, env),
         reset_limit=args.reset_limit,
         cooldown_range=tuple(args.cooldown_range) if args.cooldown_range else None,
         nics=args.nics, output_filename=args.output_filename,
@@ -502,6 +531,15 @@ def _launch_mpi(args: argparse.Namespace) -> int:
     if args.elastic:
         return _fail("--mpi cannot run elastic jobs (Horovod's elastic mode needs gloo too); "
                      "drop --mpi or the elastic flags", 2)
+    # What mpiexec starts is mpiexec's: these would be silently ignored (horovodrun hands
+    # them to mpirun's own options), so they are refused, as every unsupported flag is.
+    unused = [flag for flag, value in (
+        ("-p/--ssh-port", args.ssh_port), ("-i/--ssh-identity-file", args.ssh_identity_file),
+        ("--network-interfaces", args.nics), ("--output-filename", args.output_filename),
+        ("--prefix-output-with-timestamp", args.prefix_output_with_timestamp)) if value]
+    if unused:
+        return _fail(f"{', '.join(unused)} cannot be used with --mpi: mpiexec starts the ranks "
+                     f"(pass its own options with --mpi-args), or drop --mpi", 2)
     failed = _check_command(args.command[0], [h.name for h in args.host_list or []])
     if failed is not None:
         return failed
@@ -509,7 +547,8 @@ def _launch_mpi(args: argparse.Namespace) -> int:
     env.update(tuning_env(args))
     try:
         mpi_args = " ".join(a for a in (args.binding_args, args.mpi_args) if a) or None
-        return run_mpi(args.num_proc, args.host_list, list(args.command), env, mpi_args)
+        return run_mpi(args.num_proc, args.host_list, list(args.command), env, mpi_args,
+                       verbose=bool(args.verbose))
     except MPILaunchError as e:
         return _fail(str(e), 2)
 

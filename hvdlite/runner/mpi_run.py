@@ -65,10 +65,13 @@ def mpi_command(mpiexec: str, num_proc: int, hosts: Sequence[HostSpec] | None,
 
 
 def run_mpi(num_proc: int, hosts: Sequence[HostSpec] | None, command: Sequence[str],
-            env: dict, mpi_args: str | None = None) -> int:
-    """Run the job under mpiexec; returns its exit code (Ctrl-C is forwarded)."""
+            env: dict, mpi_args: str | None = None, verbose: bool = False) -> int:
+    """Run the job under mpiexec; returns its exit code (Ctrl-C is forwarded). `verbose`
+    (--verbose) prints the mpiexec command line first, as horovodrun prints mpirun's."""
     mpiexec = find_mpiexec()
     cmd = mpi_command(mpiexec, num_proc, hosts, command, mpi_args, flavour(mpiexec))
+    if verbose:
+        print(shlex.join(cmd), file=sys.stderr, flush=True)
     env = dict(env)
     env["HOROVOD_CPU_OPERATIONS"] = env["HVDLITE_CPU_OPERATIONS"] = "mpi"
     env.setdefault("HOROVOD_CONTROLLER", "mpi")
