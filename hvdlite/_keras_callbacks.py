@@ -187,8 +187,11 @@ class LearningRateScheduleLogic:
         self.initial_lr = initial_lr
         self.steps_per_epoch = steps_per_epoch
         self.current_epoch = None
+        # A constant is exponential decay from start_epoch on (Horovod's: the exponent counts
+        # the epochs since start_epoch, so the schedule begins at initial_lr).
         self.multiplier: Callable[[float], float] = \
-            multiplier if callable(multiplier) else (lambda epoch: multiplier ** epoch)
+            multiplier if callable(multiplier) else \
+            (lambda epoch: multiplier ** (epoch - start_epoch))
 
     @staticmethod
     def _get_lr(opt) -> float:

@@ -11,7 +11,6 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
     raise ImportError("hvdlite.tensorflow needs TensorFlow: pip install 'hvdlite[tensorflow]' "
                       "(or tensorflow / tensorflow-cpu >= 2.16)") from _exc
 
-from ..common import basics as _basics
 from ..common.basics import (add_process_set, ccl_built, cross_rank, cross_size, cuda_built,
                              ddl_built, gloo_built, gloo_enabled, is_homogeneous,
                              is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
@@ -25,22 +24,12 @@ from .functions import (allgather_object, broadcast_object, broadcast_object_fn,
                         broadcast_variables)
 from .gradient_aggregation import LocalGradientAggregationHelper
 from .gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
+from .mpi_ops import init, shutdown
 from .mpi_ops import (Adasum, Average, Max, Min, Product, Sum, _executing_eagerly, allgather,
                       alltoall, barrier, broadcast, broadcast_, check_num_rank_power_of_2,
                       grouped_allgather, handle_average_backwards_compatibility, join,
                       local_rank_op, local_size_op, process_set_included_op, rank_op, size_op)
 from .optimizer import DistributedOptimizer
-
-
-def init(comm=None, process_sets=None) -> None:
-    """Initialize hvdlite (Horovod's `hvd.init`). `process_sets` is a list of ProcessSet, or
-    "dynamic" to allow add_process_set/remove_process_set later."""
-    _basics.init(comm, process_sets)
-
-
-def shutdown() -> None:
-    """Shut hvdlite down; `init()` may be called again afterwards."""
-    _basics.shutdown()
 
 
 def allreduce(tensor, average=None, device_dense="", device_sparse="",

@@ -118,6 +118,9 @@ class TensorFlowKerasState(ObjectState):
         if not tf.executing_eagerly():
             raise ValueError("TensorFlowKerasState needs eager execution (TensorFlow 2); for TF1 "
                              "graphs use TensorFlowState with a session")
+        if hasattr(model, "build") and not model.built:   # Horovod's check and message
+            # (an unbuilt model has no variables: its state would be empty, silently)
+            raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer",
                                                                          None)

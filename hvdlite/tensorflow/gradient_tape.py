@@ -23,8 +23,8 @@ class _DistributedGradientTape:
         scale_local_gradients)."""
         self._hvd_reducer.register_local(source)
 
-    def gradient(self, target, sources, output_gradients=None,
-                 unconnected_gradients=tf.UnconnectedGradients.NONE, use_generic_names=False):
+    def gradient(self, target, sources, output_gradients=None, use_generic_names=False, *,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
         """The tape's gradients, reduced over the ranks of the process set."""
         site = call_site() if tf.executing_eagerly() else None
         grads = super().gradient(target, sources, output_gradients=output_gradients,
@@ -36,13 +36,17 @@ class _DistributedGradientTape:
         return tf.nest.pack_sequence_as(grads, reduced)
 
     def get_local_and_global_gradients(self, target, sources, output_gradients=None,
+                                       use_generic_names=False, *,
                                        unconnected_gradients=tf.UnconnectedGradients.NONE):
-        """(local sources' gradients, other sources' reduced gradients), each a list in the
-        order of `sources`, for code that treats the two kinds differently."""
+        """(local sources' (source, gradient) pairs, other sources' (source, reduced gradient)
+        pairs), each a list in the order of `sources`, as Horovod's: for code that treats the
+        two kinds differently."""
         flat_sources = tf.nest.flatten(sources)
-        grads = self.gradient(target, flat_sources, output_gradients, unconnected_gradients)
-        local = [g for s, g in zip(flat_sources, grads) if self._hvd_reducer.is_local(s)]
-        shared = [g for s, g in zip(flat_sources, grads) if not self._hvd_reducer.is_local(s)]
+        grads = self.gradient(target, flat_sources, output_gradients, use_generic_names,
+                              unconnected_gradients=unconnected_gradients)
+        pairs = list(zip(flat_sources, grads))
+        local = [(s, g) for s, g in pairs if self._hvd_reducer.is_local(s)]
+        shared = [(s, g) for s, g in pairs if not self._hvd_reducer.is_local(s)]
         return local, shared
 
 

@@ -23,6 +23,11 @@ import tensorflow as tf
 
 from ..common import basics as _basics
 from ..common import ops as _cops
+from ..common.basics import (add_process_set, ccl_built, cross_rank, cross_size,  # noqa: F401
+                             cuda_built, ddl_built, gloo_built, gloo_enabled, is_homogeneous,
+                             is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
+                             mpi_threads_supported, nccl_built, rank, remove_process_set,
+                             rocm_built, size, start_timeline, stop_timeline)
 from ..common.exceptions import HorovodInternalError
 from ..common.messages import (ADASUM, AVERAGE, MAX, MIN, PRODUCT, SUM,
                                handle_average_backwards_compatibility)
@@ -36,6 +41,18 @@ from .bridge import (_BITCAST, _DTYPE_NAMES, _REDUCIBLE, _XLA_MESSAGE, _check_gr
 from .compression import Compression
 
 Average, Sum, Adasum, Min, Max, Product = AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT
+
+
+def init(comm=None, process_sets=None) -> None:
+    """Initialize hvdlite (Horovod's `hvd.init`). `process_sets` is a list of ProcessSet, or
+    "dynamic" to allow add_process_set/remove_process_set later. (Here, as in Horovod's
+    horovod.tensorflow.mpi_ops, with the other basics.)"""
+    _basics.init(comm, process_sets)
+
+
+def shutdown() -> None:
+    """Shut hvdlite down; `init()` may be called again afterwards."""
+    _basics.shutdown()
 
 
 def check_num_rank_power_of_2(num_rank: int) -> bool:

@@ -57,7 +57,7 @@ def check_fit():
                [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
                 hvd.callbacks.MetricAverageCallback(),
                 hvd.callbacks.LearningRateScheduleCallback(initial_lr=0.1, multiplier=0.5,
-                                                           start_epoch=1)], per_rank)
+                                                           start_epoch=0)], per_rank)
     ref = model(seed=100)                 # rank 0's initial weights
     ref_hist = fit(ref, keras.optimizers.SGD(learning_rate=0.1, momentum=0.9), x, y,
                    [_Halve()], per_rank * SIZE)
@@ -73,8 +73,9 @@ def check_fit():
 
 
 class _Halve(keras.callbacks.Callback):
-    """The single-process twin of LearningRateScheduleCallback(initial_lr, 0.5, start_epoch=1),
-    with Horovod's momentum correction (momentum buffers scaled by new_lr / old_lr): SGD keeps
+    """The single-process twin of LearningRateScheduleCallback(initial_lr, 0.5, start_epoch=0)
+    (Horovod's initial_lr * 0.5 ** (epoch - start_epoch), a change from epoch 1 on), with
+    Horovod's momentum correction (momentum buffers scaled by new_lr / old_lr): SGD keeps
     them in `momentums`, RMSprop in `_momentums`."""
 
     def __init__(self, initial_lr=0.1, buffers="momentums"):
@@ -113,7 +114,7 @@ def check_lr_callbacks():
     fit(dist, opt, x[idx], y[idx],
         [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
          hvd.callbacks.LearningRateScheduleCallback(initial_lr=0.01, multiplier=0.5,
-                                                    start_epoch=1)], per_rank)
+                                                    start_epoch=0)], per_rank)
     ref = model(seed=200)
     fit(ref, keras.optimizers.RMSprop(learning_rate=0.01, momentum=0.9), x, y,
         [_Halve(0.01, "_momentums")], per_rank * SIZE)
@@ -176,6 +177,14 @@ def check_elastic_state():
     for name in ("CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback"):
         if not hasattr(hvd.elastic, name):
             raise AssertionError(f"hvdlite.keras.elastic lacks {name}")
+    # A model that is not built has no variables yet: refused, with Horovod's message.
+    try:
+        hvd.elastic.KerasState(keras.Sequential([keras.layers.Dense(1)]), epoch=0)
+    except ValueError as exc:
+        if "Model must be built first" not in str(exc):
+            raise AssertionError(f"unbuilt model: {exc}") from exc
+    else:
+        raise AssertionError("KerasState of an unbuilt model was accepted")
     m = model(seed=700 + RANK)
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.1),
                                    backward_passes_per_step=2)

@@ -136,6 +136,20 @@ def check_partial_tape_variables(mode):
     tape.register_local_source(k_var)
     (g,) = tape.gradient(loss, [k_var])
     close(g, to_local(x), "registered local keras.Variable")
+    # Horovod's get_local_and_global_gradients: (source, gradient) pairs, local ones first;
+    # and gradient()'s fourth positional parameter is use_generic_names.
+    with tf.GradientTape(persistent=True) as tape:
+        loss = tf.reduce_sum(k_var * x) + tf.reduce_sum(t_var * x)
+    tape = hvd.PartialDistributedGradientTape(tape, scale_local_gradients=False)
+    tape.register_local_source(k_var)
+    local_pairs, global_pairs = tape.get_local_and_global_gradients(loss, [k_var, t_var])
+    if [s is k_var for s, _ in local_pairs] != [True] or \
+            [s is t_var for s, _ in global_pairs] != [True]:
+        raise AssertionError(f"get_local_and_global_gradients: {local_pairs}, {global_pairs}")
+    close(local_pairs[0][1], x.numpy()[0], "local (source, gradient) pair")
+    close(global_pairs[0][1], mean, "global (source, gradient) pair")
+    (g,) = tape.gradient(loss, [t_var], None, True)
+    close(g, mean, "gradient(target, sources, None, True): use_generic_names positional")
 
 
 def to_local(x):
