@@ -20,6 +20,7 @@ from ..common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from ..common.process_sets import ProcessSet, global_process_set
 from . import mpi_ops as _mpi_ops
 from .compression import Compression
+from .errors import eager_errors as _eager_errors
 from .functions import (allgather_object, broadcast_object, broadcast_object_fn,
                         broadcast_variables)
 from .gradient_aggregation import LocalGradientAggregationHelper
@@ -32,6 +33,7 @@ from .mpi_ops import (Adasum, Average, Max, Min, Product, Sum, _executing_eagerl
 from .optimizer import DistributedOptimizer
 
 
+@_eager_errors
 def allreduce(tensor, average=None, device_dense="", device_sparse="",
               compression=Compression.none, op=None, prescale_factor=1.0, postscale_factor=1.0,
               name=None, process_set=global_process_set, ignore_name_scope=False):
@@ -61,6 +63,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
     return compression.decompress(reduced, ctx)
 
 
+@_eager_errors
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       compression=Compression.none, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=global_process_set,
@@ -90,6 +93,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     return out
 
 
+@_eager_errors
 def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
                   process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0,
                   postscale_factor=1.0):
@@ -103,6 +107,7 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
     return compression.decompress(reduced, ctx)
 
 
+@_eager_errors
 def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0, name=None, ignore_name_scope=False):

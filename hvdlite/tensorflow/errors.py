@@ -17,6 +17,7 @@ arguments `InvalidArgumentError`. hvdlite runs its collectives in Python (eagerl
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 
@@ -61,6 +62,30 @@ def as_tf_error(exc: BaseException) -> BaseException:
     if isinstance(exc, NotImplementedError):
         return _dual(tf.errors.UnimplementedError, NotImplementedError)(str(exc))
     return exc
+
+
+def eager_errors(fn):
+    """A public collective whose argument errors (raised before anything runs: an unsupported
+    dtype, a scalar where a dimension is needed, int64 alltoall splits) come out eagerly as
+    Horovod's kernels return them, `InvalidArgumentError` (or `UnimplementedError`), deriving
+    from the Python class too, so `except ValueError` keeps working. In a graph they stay as
+    raised (TensorFlow's own wrappers raise at trace time, as Horovod's do).
+
+    Why: Horovod's arguments reach a kernel, whose status becomes a tf.errors class; hvdlite
+    checked them in Python and raised the bare ValueError, which `except tf.errors.OpError`
+    did not catch."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (ValueError, TypeError, NotImplementedError) as exc:
+            if isinstance(exc, tf.errors.OpError) or not tf.executing_eagerly():
+                raise
+            mapped = as_tf_error(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
+    return wrapper
 
 
 def call_eager(fn, inputs: list) -> list:

@@ -39,6 +39,7 @@ from .bridge import (_BITCAST, _DTYPE_NAMES, _REDUCIBLE, _XLA_MESSAGE, _check_gr
                      _set_size, _to_tf, _to_torch, _unique_in_graph, _wire_name, filled,
                      gather_shape, wire_name, with_gradient)
 from .compression import Compression
+from .errors import eager_errors as _eager_errors
 
 Average, Sum, Adasum, Min, Max, Product = AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT
 
@@ -150,6 +151,7 @@ def _sparse_allreduce_named(values, indices, wire, cacheable, op, set_id):
 
 
 # ---------------------------------------------------------------------- allgather
+@_eager_errors
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Concatenate every rank's tensor along dimension 0 (first dimensions may differ);
     differentiable."""
@@ -191,6 +193,7 @@ def _gather_grad(dys, xs, wires, cacheable, set_id) -> list:
                 [x.shape for x in xs])
 
 
+@_eager_errors
 def grouped_allgather(tensors, name=None, ignore_name_scope=False,
                       process_set=global_process_set):
     """Allgather a list of tensors together (released and fused as one group);
@@ -226,6 +229,7 @@ def _grouped_allgather_named(tensors, wire, cacheable, set_id, grouped=True):
 
 
 # ---------------------------------------------------------------------- broadcast
+@_eager_errors
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
               process_set=global_process_set):
     """Broadcast `tensor` from `root_rank` (a global rank) to every rank of the set;
@@ -321,6 +325,7 @@ def _alltoall_splits_tensor(splits):
     return tf.convert_to_tensor(splits, dtype=tf.int32)
 
 
+@_eager_errors
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
              process_set=global_process_set):
     """Send rows `splits[i]` of `tensor` to rank i of the set and gather what every rank sent

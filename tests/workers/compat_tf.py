@@ -73,6 +73,20 @@ def check_invalid(mode):
     expect_raises(ValueError, lambda: hvd.alltoall(tf.zeros((SIZE, 2)),
                                                    splits=tf.ones([SIZE], tf.int64)),
                   "int64 splits")
+    if mode == "eager":
+        # Arguments checked before anything runs come out as Horovod's kernels return them,
+        # InvalidArgumentError, and are still ValueError (they were the bare ValueError).
+        for what, fn in [
+                ("int64 splits", lambda: hvd.alltoall(tf.zeros((SIZE, 2)),
+                                                      splits=tf.ones([SIZE], tf.int64))),
+                ("reducescatter of a scalar", lambda: hvd.reducescatter(tf.constant(1.0))),
+                ("allgather of a scalar", lambda: hvd.allgather(tf.constant(1.0))),
+                ("allreduce of bool", lambda: hvd.allreduce(tf.constant([True]))),
+                ("grouped_allreduce of complex", lambda: hvd.grouped_allreduce(
+                    [tf.constant([1j])]))]:
+            err = expect_raises(IA, fn, what)
+            if err is not None and not isinstance(err, ValueError):
+                fail(f"{what}: InvalidArgumentError that is not also a ValueError")
     # Python lists and numpy int arrays are accepted, as in Horovod.
     out, recv = hvd.alltoall(tf.ones((SIZE, 2)), splits=np.ones(SIZE, np.int64))
     same(recv, np.ones(SIZE, np.int32), "recv splits from numpy splits")
