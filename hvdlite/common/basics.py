@@ -96,8 +96,9 @@ def init(comm=None, process_sets=None) -> None:
         if isinstance(comm, (list, tuple)) and not comm:
             comm = None                 # Horovod's default: an empty list, all of the world
         if isinstance(process_sets, str) and process_sets.lower() == "dynamic":
+            # (Horovod's init also exports HOROVOD_DYNAMIC_PROCESS_SETS=1 for its C++ core,
+            # which then makes every later init() in the process dynamic; hvdlite does not.)
             dynamic = True
-            os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"     # as Horovod's init sets it
         elif process_sets:
             static = list(process_sets)
             for ps in static:
