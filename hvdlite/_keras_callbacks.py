@@ -27,6 +27,13 @@ def optimizer_variables(opt) -> list:
     return list(v() if callable(v) else v)
 
 
+def require_built(model) -> None:
+    """An elastic state's model must be built, as Horovod's TensorFlowKerasState requires (its
+    message): an unbuilt model has no variables, so its saved state would be empty, silently."""
+    if hasattr(model, "build") and not model.built:
+        raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
+
+
 def momentum_buffers(opt) -> list:
     """The variables holding the learning-rate-scaled momentum: SGD's `momentums`, RMSprop's
     `_momentums` (Keras 3), else the optimizer variables named like a momentum."""

@@ -647,10 +647,7 @@ class Coordinator:
             for other in [n for n, rs in s.table.items()
                           if any(r.group == group for r in rs.values())]:
                 self._fail_member(s, group, other, ready)
-        if name in s.table:                      # (in no group on any rank: cannot happen)
-            del s.table[name]
-            ready.append((s, Response(type=ERROR, names=[name], process_set_id=s.id,
-                                      error=error)))
+        # (`name` is among them: the (group, size) pairs differ, so some rank put it in one.)
 
     def _fail_member(self, s: SetState, group: str, name: str, ready: list) -> None:
         """Fail `name`, a member of the failed `group` (_fail_group), on every rank; the

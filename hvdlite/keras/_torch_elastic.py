@@ -28,9 +28,7 @@ class KerasState(ObjectState):
     (`epoch=0, batch=0`), committed, restored and synced together."""
 
     def __init__(self, model, optimizer=None, **kwargs):
-        if hasattr(model, "build") and not model.built:   # Horovod's check and message
-            # (an unbuilt model has no variables: its state would be empty, silently)
-            raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
+        _logic.require_built(model)
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer",
                                                                          None)

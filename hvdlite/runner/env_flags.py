@@ -98,21 +98,18 @@ def elastic_timeout_s(flag: Optional[int], environ: Mapping[str, str],
     """How long an elastic job waits for its minimum of slots: --elastic-timeout, else
     HVDLITE_ELASTIC_TIMEOUT / HOROVOD_ELASTIC_TIMEOUT (horovodrun's elastic driver reads it),
     else 600 s."""
-    if flag is not None:
-        return flag
-    for key in ("HVDLITE_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT"):
-        value = config.raw(key, environ=environ)
-        if value:
-            try:
-                return int(float(value))
-            except ValueError:
-                raise ValueError(f"{key} must be a number of seconds, got {value!r}") from None
-    return default
+    return flag if flag is not None else _seconds_from_env("ELASTIC_TIMEOUT", environ, default)
 
 
 def start_timeout_from_env(environ: Mapping[str, str], default: int = 30) -> int:
     """`--start-timeout` default: HVDLITE_START_TIMEOUT, else HOROVOD_START_TIMEOUT, else 30 s."""
-    for key in ("HVDLITE_START_TIMEOUT", "HOROVOD_START_TIMEOUT"):
+    return _seconds_from_env("START_TIMEOUT", environ, default)
+
+
+def _seconds_from_env(name: str, environ: Mapping[str, str], default: int) -> int:
+    """Whole seconds from HVDLITE_<name>, else HOROVOD_<name>, else `default`; ValueError
+    naming the variable for a value that is not a number."""
+    for key in (f"HVDLITE_{name}", f"HOROVOD_{name}"):
         value = config.raw(key, environ=environ)
         if value:
             try:

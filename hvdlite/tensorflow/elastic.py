@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from .._keras_callbacks import optimizer_variables
+from .._keras_callbacks import optimizer_variables, require_built
 from ..common import basics as _basics
 from ..common.elastic import HostUpdateResult, ObjectState, State, run_fn
 from ..common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
@@ -118,9 +118,7 @@ class TensorFlowKerasState(ObjectState):
         if not tf.executing_eagerly():
             raise ValueError("TensorFlowKerasState needs eager execution (TensorFlow 2); for TF1 "
                              "graphs use TensorFlowState with a session")
-        if hasattr(model, "build") and not model.built:   # Horovod's check and message
-            # (an unbuilt model has no variables: its state would be empty, silently)
-            raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
+        require_built(model)
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer",
                                                                          None)
