@@ -208,6 +208,46 @@ def _requests(kind: str, rtype: int, buffers: Sequence[Buffer], names: Names, pr
                  for b, nm in zip(buffers, wire)], buffers, exc)
 
 
+def _refuse_call(kind: str, rtype: int, buffers: Sequence[Buffer], names: Names, process_set,
+                 group, exc: Exception):
+    """Raise `exc`, an argument error found before a call's requests exist (an op the
+    collective does not take, a scalar where a dimension is needed), once the other ranks were
+    told about every name the call would have used (_refuse)."""
+    sid = set_id(process_set)
+    wire, base = resolve_names(kind, names, len(buffers), sid, group)
+    gname, gsize = _group(group, base, len(buffers))
+    me = _state().rank
+    _refuse([_request(me, nm, rtype, b, sid, False, invalid=str(exc), cacheable=False,
+                      group=gname, group_size=gsize) for b, nm in zip(buffers, wire)],
+            buffers, exc)
+
+
+_KIND_TYPES = {"allreduce": ALLREDUCE, "allgather": ALLGATHER, "broadcast": BROADCAST,
+               "reducescatter": REDUCESCATTER, "alltoall": ALLTOALL}
+
+
+def refuse(kind: str, names: Sequence[str], exc: Exception, *, process_set=None,
+           group: Optional[str] = None):
+    """Raise `exc`, a frontend's argument error for the collective `kind` ("allreduce",
+    "allgather", "broadcast", "reducescatter" or "alltoall") whose wire names are `names`,
+    once the other ranks were told (_refuse), as for the errors this layer finds itself.
+
+    For errors found before the tensors became buffers: a TensorFlow dtype the engine cannot
+    carry (a string tensor), a scalar where a dimension is needed. Raised alone, such an error
+    left the peers waiting for these names until the stall shutdown (600 s by default).
+    `group`: the call's group name when it is grouped (its members are refused together)."""
+    rtype = _KIND_TYPES[kind]
+    sid = set_id(process_set)
+    names = [str(n) for n in names]
+    gname, gsize = (str(group), len(names)) if group and len(names) > 1 else (None, 0)
+    me = _state().rank
+    placeholder = torch.empty(0, dtype=torch.uint8)
+    _refuse([Request(rank=me, name=nm, type=rtype, dtype="uint8", shape=(0,),
+                     process_set_id=sid, invalid=str(exc), cacheable=False, group=gname,
+                     group_size=gsize) for nm in names],
+            [placeholder] * len(names), exc)
+
+
 def _request(me: int, name: str, rtype: int, b: Buffer, sid: int, reduce: bool,
              invalid: Optional[str] = None, **kw) -> Request:
     """One buffer's request (what every rank validates against the others'); with `invalid`
@@ -264,7 +304,10 @@ def allreduce(buffers: Sequence[Buffer], *, names: Names = None, op: int = AVERA
     itself, it polls it as long as the express lane does (engine.Engine.enqueue); the result
     is the same either way."""
     buffers = list(buffers)
-    check_reduce_op(op, process_set, buffers, "allreduce")
+    try:
+        check_reduce_op(op, process_set, buffers, "allreduce")
+    except (ValueError, NotImplementedError, HorovodInternalError) as exc:
+        _refuse_call("allreduce", ALLREDUCE, buffers, names, process_set, group, exc)
     if not group and cacheable is not False and op in REDUCE_OPS and (
             (isinstance(names, str) and len(buffers) == 1)
             or (isinstance(names, (list, tuple)) and len(names) == len(buffers))):
@@ -449,8 +492,9 @@ def allgather(buffers: Sequence[Buffer], *, names: Names = None, process_set=Non
     buffers = list(buffers)
     for b in buffers:
         if b.dim() == 0:
-            raise ValueError("allgather needs a tensor with at least one dimension; reshape the "
-                             "scalar to [1]")
+            _refuse_call("allgather", ALLGATHER, buffers, names, process_set, group, ValueError(
+                "allgather needs a tensor with at least one dimension; reshape the scalar to "
+                "[1]"))
     reqs = _requests("allgather", ALLGATHER, buffers, names, process_set, group, cacheable)
     return _submit([Entry(r, _contiguous(b)) for r, b in zip(reqs, buffers)])
 
@@ -473,9 +517,12 @@ def reducescatter(buffers: Sequence[Buffer], *, names: Names = None, op: int = A
     """Reduce over the set; each rank keeps its slice of dimension 0 (the first
     dim % size ranks one row more). Result: list."""
     buffers = list(buffers)
-    check_reduce_op(op, process_set, buffers, "reducescatter")
-    for b in buffers:
-        check_rank(b, "reducescatter")
+    try:
+        check_reduce_op(op, process_set, buffers, "reducescatter")
+        for b in buffers:
+            check_rank(b, "reducescatter")
+    except (ValueError, NotImplementedError, HorovodInternalError) as exc:
+        _refuse_call("reducescatter", REDUCESCATTER, buffers, names, process_set, group, exc)
     reqs = _requests("reducescatter", REDUCESCATTER, buffers, names, process_set, group,
                      cacheable, reduce=True, reduce_op=op, prescale=float(prescale),
                      postscale=float(postscale))
@@ -487,7 +534,10 @@ def alltoall(buffer: Buffer, splits: Optional[Sequence[int]] = None, *, names: N
     """Rows `splits[i]` go to set rank i (default: equal parts). Result: (output, received
     splits as an int32 buffer). Never cached: splits may change every call. `splits_dtype` is
     the dtype name of a splits tensor (Horovod takes int32 only)."""
-    check_rank(buffer, "alltoall")
+    try:
+        check_rank(buffer, "alltoall")
+    except ValueError as exc:
+        _refuse_call("alltoall", ALLTOALL, [buffer], names, process_set, None, exc)
     try:
         split_list = _validation.alltoall_splits(splits, int(buffer.shape[0]),
                                                  len(set_ranks(process_set)),

@@ -278,9 +278,10 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
 class HorovodAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):
+        out = synchronize(allgather_async(tensor, name, process_set))  # (refuses a scalar)
         ctx.dim = tensor.shape[0]
         ctx.process_set = process_set
-        return synchronize(allgather_async(tensor, name, process_set))
+        return out
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -292,13 +293,8 @@ class HorovodAllgather(torch.autograd.Function):
         return grad_reduced.narrow(0, offset, ctx.dim), None, None
 
 
-def _check_gatherable(tensor):
-    _ops.check_rank(tensor, "allgather")
-
-
 def allgather(tensor, name=None, process_set=global_process_set):
     """Concatenate every rank's tensor along dimension 0 (first dims may differ); differentiable."""
-    _check_gatherable(tensor)
     with _ops.blocking_name("allgather", name, process_set) as name:
         if _traced((tensor,)):
             return HorovodAllgather.apply(tensor, name, process_set)
@@ -312,9 +308,10 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set) 
 class HorovodGroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, process_set, *tensors):
+        out = tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
         ctx.dims = [t.shape[0] for t in tensors]
         ctx.process_set = process_set
-        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+        return out
 
     @staticmethod
     def backward(ctx, *grads):
@@ -330,8 +327,6 @@ class HorovodGroupedAllgather(torch.autograd.Function):
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
-    for t in tensors:
-        _check_gatherable(t)
     with _ops.blocking_name("grouped_allgather", name, process_set) as name:
         if _traced(tensors):
             return HorovodGroupedAllgather.apply(name, process_set, *tensors)

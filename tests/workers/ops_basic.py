@@ -452,8 +452,33 @@ def errors():
             expect_raises(hvd.HorovodInternalError, fn, f"{what} when rank {size - 1} refused it",
                           match=[f"invalid arguments on rank {size - 1}",
                                  "ComplexFloatTensor is not supported"])
+    # Errors found before any request exists (a scalar to gather or scatter, an unknown op)
+    # reach the other ranks the same way.
+    def scalar():
+        return torch.zeros(() if odd else (size,))
+    early = {
+        "allgather of a scalar": (lambda: hvd.allgather(scalar(), name="onerank.ag0"),
+                                  "at least one dimension"),
+        "unnamed grouped_allgather": (lambda: hvd.grouped_allgather([torch.ones(2), scalar()]),
+                                      "at least one dimension"),
+        "reducescatter of a scalar": (lambda: hvd.reducescatter(scalar(), name="onerank.rs0"),
+                                      "at least one dimension"),
+        "alltoall of a scalar": (lambda: hvd.alltoall(scalar(), name="onerank.a2a0"),
+                                 "at least one dimension"),
+        "allreduce with an unknown op": (lambda: hvd.allreduce(
+            torch.ones(2), name="onerank.op", op=42 if odd else hvd.Sum),
+            "unknown reduction op"),
+    }
+    for what, (fn, reason) in early.items():
+        if odd:
+            expect_raises(ValueError, fn, f"{what} on rank {rank}", match=reason)
+        else:
+            expect_raises(hvd.HorovodInternalError, fn, f"{what} when rank {size - 1} refused it",
+                          match=[f"invalid arguments on rank {size - 1}", reason])
     same(hvd.allreduce(torch.ones(3), name="onerank.ar", op=hvd.Sum),
          torch.full((3,), float(size)), "'onerank.ar' used alike afterwards")
+    same(hvd.allgather(torch.ones(1), name="onerank.ag0"), torch.ones(size),
+         "'onerank.ag0' used alike afterwards")
 
     # Duplicate name while the first one is in flight.
     x = torch.ones(5) * (rank + 1)
