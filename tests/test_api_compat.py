@@ -179,8 +179,14 @@ def test_tf_error_classes_are_horovods_and_hvdlites():
     assert isinstance(e, tf.errors.InvalidArgumentError) and isinstance(e, ValueError)
     e = as_tf_error(NotImplementedError("xla"))
     assert isinstance(e, tf.errors.UnimplementedError)
-    other = HorovodInternalError("peer died")
-    assert as_tf_error(other) is other      # kept: elastic recovery catches it as it is
+    # A broken job (a peer that left): Horovod's UnknownError, still a HorovodInternalError,
+    # which elastic recovery catches.
+    e = as_tf_error(HorovodInternalError("peer died"))
+    assert isinstance(e, tf.errors.UnknownError) and isinstance(e, HorovodInternalError)
+    assert not isinstance(e, HorovodMismatchError) and str(e) == "peer died"
+    from hvdlite.common.exceptions import HostsUpdatedInterrupt
+    other = HostsUpdatedInterrupt()
+    assert as_tf_error(other) is other
 
 
 def test_submodules_hold_what_horovods_hold():

@@ -37,6 +37,19 @@ def test_rank_that_crashes_names_its_exception_to_the_others():
     assert "hvd.join()" not in line and "a second line" not in line, line
 
 
+@pytest.mark.timeout(150)
+def test_tensorflow_reports_a_departed_peer_as_unknown_error():
+    """Horovod's kernels return UnknownError ("Horovod has been shut down") once a peer is gone,
+    FailedPreconditionError only where ranks disagree; hvdlite's TensorFlow frontend reported
+    every coordinator error, a departure too, as FailedPreconditionError."""
+    pytest.importorskip("tensorflow")
+    res = spawn_ranks("errors_early_exit.py", np=2, args=["raise", "tf"], timeout=120)
+    assert res[1].returncode == 1 and "the loader failed on batch 7" in res[1].stderr
+    assert res[0].returncode == 0, res[0].stdout + res[0].stderr
+    line = [x for x in res[0].stdout.splitlines() if x.startswith("RAISED")][0]
+    assert "rank 1 exited after an uncaught ValueError" in line, line
+
+
 @pytest.mark.timeout(120)
 def test_killed_peer_fails_the_others_fast():
     res = spawn_ranks("errors_early_exit.py", np=2, args=["kill"], timeout=90)

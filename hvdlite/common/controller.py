@@ -517,9 +517,14 @@ class Coordinator:
             return None
         return s
 
-    def _send_error(self, rank: int, set_id: int, names: list, message: str, out: dict) -> None:
+    def _send_error(self, rank: int, set_id: int, names: list, message: str, out: dict,
+                    gone: bool = False) -> None:
+        """Fail `names` on `rank`; `gone`: because a member left (the frontends report that as
+        a broken job, not as ranks that disagreed: TensorFlow's UnknownError, as Horovod's
+        "Horovod has been shut down")."""
         out.setdefault(rank, []).append((Item.RESPONSE, Response(type=ERROR, names=list(names),
-                                                       process_set_id=set_id, error=message)))
+                                                       process_set_id=set_id, error=message,
+                                                       gone=gone)))
 
     def _on_request(self, rank: int, req: Request, ready: list, out: dict) -> None:
         s = self._set_for(rank, req.process_set_id, req.name, out)
@@ -528,7 +533,8 @@ class Coordinator:
         idx = s.index[rank]
         if s.gone:
             gone = sorted(s.ranks[i] for i in s.gone)
-            self._send_error(rank, s.id, [req.name], self._gone_message(gone, repr(req.name)), out)
+            self._send_error(rank, s.id, [req.name], self._gone_message(gone, repr(req.name)), out,
+                             gone=True)
             return
         if req.type == JOIN:
             self._on_join(s, idx, rank, ready)
@@ -676,7 +682,8 @@ class Coordinator:
             names = self._bit_names(s, mask)
             gone = sorted(s.ranks[i] for i in s.gone)
             self._send_error(rank, s.id, names,
-                             self._gone_message(gone, ", ".join(repr(n) for n in names[:6])), out)
+                             self._gone_message(gone, ", ".join(repr(n) for n in names[:6])), out,
+                             gone=True)
             return
         stale = mask & ~s.cache.valid_mask
         mask &= s.cache.valid_mask
@@ -767,7 +774,7 @@ class Coordinator:
                 message = self._gone_message([rank], ", ".join(repr(n) for n in names[:6]))
                 for other in s.ranks:
                     if other != rank:
-                        self._send_error(other, s.id, names, message, out)
+                        self._send_error(other, s.id, names, message, out, gone=True)
                 s.table.clear()
                 s.first_seen.clear()
                 s.pending_bits = [0] * len(s.ranks)

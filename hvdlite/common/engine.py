@@ -135,13 +135,16 @@ class Handle:
             self._latch.release()      # let any other waiter through too
         return self._set
 
-    def _complete_one(self, error: str | None = None, count: int = 1) -> None:
+    def _complete_one(self, error: str | None = None, count: int = 1,
+                      mismatch: bool = True) -> None:
         """`count` of this handle's entries are done (a fused response completes its members
-        of one handle at once: one lock and one check for a grouped call of 100, not 100)."""
+        of one handle at once: one lock and one check for a grouped call of 100, not 100).
+        `error` with `mismatch`: the ranks disagreed (HorovodMismatchError); without: the job
+        broke (a member left: HorovodInternalError)."""
         with self._lock:
             if error and self.error is None:
                 self.error = error
-                self.mismatch = True
+                self.mismatch = mismatch
             self._pending -= count
             finished = self._pending <= 0
         if finished and not self._set:
@@ -1681,7 +1684,7 @@ class Engine:
         for e in entries:
             with self._lock:
                 self._inflight.pop((sid, e.request.name), None)
-            e.handle._complete_one(message)
+            e.handle._complete_one(message, mismatch=False)
 
     def _steady_timeout(self) -> float:
         now = time.monotonic()
@@ -1838,7 +1841,7 @@ class Engine:
             for e in self._pop(set_id, resp.names):
                 if e is not None:
                     RECORDER.finished(e.flight, resp.error)
-                    e.handle._complete_one(resp.error)
+                    e.handle._complete_one(resp.error, mismatch=not resp.gone)
             return
         entries = self._pop(set_id, resp.names)
         for e in entries:

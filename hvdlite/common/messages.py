@@ -102,6 +102,7 @@ class Response:
     root_rank: int = -1            # broadcast root as a rank within the process set
     device: int = -1
     error: str | None = None
+    gone: bool = False               # ERROR: a member left (not a disagreement between ranks)
     rank_dims: list | None = None    # allgather: per tensor, first dim of every set rank
     splits: list | None = None       # alltoall: per tensor, matrix [sender][receiver] of rows
     cache_bits: list | None = None   # per tensor: cache bit or -1

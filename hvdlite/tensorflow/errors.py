@@ -2,12 +2,14 @@
 
 Horovod's TensorFlow collectives are op kernels, so user code catches `tf.errors.*`:
 cross-rank mismatches (shape, dtype, op, root, ...) are `FailedPreconditionError`, invalid
-arguments `InvalidArgumentError`. hvdlite runs its collectives in Python (eagerly, or as a
+arguments `InvalidArgumentError`, and a broken job (a peer that left, a shut-down engine:
+Horovod's "Horovod has been shut down") `UnknownError`. hvdlite runs its collectives in Python (eagerly, or as a
 `tf.py_function` node in a graph), so this module is the one place that maps its errors:
 
 - eagerly, an error is re-raised as a class deriving from BOTH the TF class and hvdlite's own
-  (`FailedPreconditionError` + `HorovodInternalError`, `InvalidArgumentError` + `ValueError`),
-  so `except tf.errors.FailedPreconditionError` and `except hvd.HorovodInternalError` both work;
+  (`FailedPreconditionError` + `HorovodMismatchError`, `UnknownError` +
+  `HorovodInternalError`, `InvalidArgumentError` + `ValueError`), so
+  `except tf.errors.FailedPreconditionError` and `except hvd.HorovodInternalError` both work;
 - in a graph, `tf.py_function` already turns ValueError/TypeError into InvalidArgumentError,
   but turns every other exception into UnknownError. A mismatch is therefore not raised inside
   the node: the node returns one more output, a resource handle, and the collective's outputs
@@ -51,8 +53,9 @@ def _dual(tf_cls, py_cls):
 
 
 def as_tf_error(exc: BaseException) -> BaseException:
-    """The exception Horovod's kernel would raise for `exc` (eager mode); `exc` itself when
-    there is no better class (it is then kept unchanged, e.g. for elastic recovery)."""
+    """The exception Horovod's kernel would raise for `exc` (eager mode), still an instance of
+    `exc`'s class (elastic recovery catches HorovodInternalError); `exc` itself when there is
+    no better class (HostsUpdatedInterrupt, KeyboardInterrupt, ...)."""
     if isinstance(exc, tf.errors.OpError):
         return exc
     if isinstance(exc, HorovodMismatchError):
@@ -61,6 +64,8 @@ def as_tf_error(exc: BaseException) -> BaseException:
         return _dual(tf.errors.InvalidArgumentError, type(exc))(str(exc))
     if isinstance(exc, NotImplementedError):
         return _dual(tf.errors.UnimplementedError, NotImplementedError)(str(exc))
+    if isinstance(exc, HorovodInternalError):
+        return _dual(tf.errors.UnknownError, type(exc))(str(exc))
     return exc
 
 
