@@ -27,6 +27,37 @@ def optimizer_variables(opt) -> list:
     return list(v() if callable(v) else v)
 
 
+def local_layer_list(local_layers, layer_cls) -> list:
+    """Horovod's `local_layers` argument (None, one Keras layer or a collection of them) as a
+    list, refusing anything that is not a `layer_cls` (Horovod's message)."""
+    if local_layers is None:
+        return []
+    if isinstance(local_layers, layer_cls):
+        return [local_layers]
+    layers = list(local_layers)
+    bad = [type(layer).__name__ for layer in layers if not isinstance(layer, layer_cls)]
+    if bad:
+        raise ValueError(f"All local layers must be of tf.keras.layers.Layer type, got "
+                         f"{', '.join(bad)}")
+    return layers
+
+
+def built_layer_variables(layers: list) -> tuple[list, list]:
+    """(the trainable variables of the built layers among `layers`, the layers not built yet).
+
+    Why: PartialDistributedOptimizer registers its local layers' variables when they exist.
+    A Keras 3 layer has none before the model's first call, and a model is often wrapped
+    before; Horovod collected them at wrap time only, found nothing then, and averaged every
+    "local" layer without a word."""
+    found, waiting = [], []
+    for layer in layers:
+        if getattr(layer, "built", True):
+            found.extend(layer.trainable_weights)
+        else:
+            waiting.append(layer)
+    return found, waiting
+
+
 def require_built(model) -> None:
     """An elastic state's model must be built, as Horovod's TensorFlowKerasState requires (its
     message): an unbuilt model has no variables, so its saved state would be empty, silently."""

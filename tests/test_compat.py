@@ -25,7 +25,7 @@ TF_CHECKS = [f"{c}_{m}" for m in ("eager", "function")
              for c in ("mismatch", "invalid", "sparse_dtype", "partial_tape")] + [
     "scalars_and_arrays", "sync_batch_norm", "process_set_args", "duplicate_sets"]
 KERAS_CHECKS = ["api", "collectives", "fit", "lr_callbacks", "accumulation_and_groups",
-                "elastic_state", "load_model"]
+                "partial_optimizer", "elastic_state", "load_model"]
 
 _runs: dict = {}
 

@@ -21,6 +21,7 @@ from ..torch import (Adasum, Average, Compression, HorovodInternalError,  # noqa
                      is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
                      mpi_enabled, mpi_threads_supported, nccl_built, rank, remove_process_set,
                      rocm_built, shutdown, size, start_timeline, stop_timeline)
+from .._keras_callbacks import built_layer_variables, local_layer_list
 from ..torch.compression import is_stateful
 
 
@@ -29,9 +30,15 @@ class _Distributed:
 
     _hvd_distributed = True
 
+    def register_local_var(self, var):
+        """Keep `var`'s gradient local: not reduced (divided by the set size when
+        scale_local_gradients), as Horovod's optimizers do."""
+        self._hvd["local"][id(var)] = var
+
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
         cfg = self._hvd
+        _register_pending_layers(self)
         if cfg["passes"] > 1:
             grads = self._hvd_accumulate(grads)
             if grads is None:
@@ -39,14 +46,23 @@ class _Distributed:
                 # in the TensorFlow backend), so learning-rate schedules see every pass.
                 self.iterations.assign_add(1)
                 return None
-        present = [i for i, g in enumerate(grads) if g is not None]
-        if present and cfg["process_set"].included() is not False and _hvd.size() > 1:
+        variables = None               # (only local variables and groups of variables need them)
+        if cfg["local"] or isinstance(cfg["groups"], list):
+            variables = list(trainable_variables if trainable_variables is not None
+                             else self._trainable_variables)
+        local = set() if not cfg["local"] else \
+            {i for i, v in enumerate(variables) if id(v) in cfg["local"]}
+        present = [i for i, g in enumerate(grads) if g is not None and i not in local]
+        included = cfg["process_set"].included() is not False
+        if local and cfg["scale_local"] and included:
+            n = cfg["process_set"].size()
+            if n > 1:
+                for i in local:
+                    if grads[i] is not None:
+                        grads[i] = grads[i] / n
+        if present and included and _hvd.size() > 1:
             f = cfg["predivide"]
             pre, post = (1.0 / f, f) if f != 1.0 else (1.0, 1.0)
-            variables = None               # (only groups given as variables need them)
-            if isinstance(cfg["groups"], list):
-                variables = list(trainable_variables if trainable_variables is not None
-                                 else self._trainable_variables)
             for k, members in enumerate(group_positions(present, variables, cfg["groups"])):
                 compressed, ctxs = zip(*[cfg["compression"].compress(grads[i])
                                          for i in members])
@@ -116,8 +132,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     names (an int n: n groups of nearly equal size; a list of lists of variables; `num_groups`
     is its deprecated alias). `backward_passes_per_step=N` adds up N passes' gradients locally
     and reduces and applies them once, on the N-th (the others only advance
-    `optimizer.iterations`); `average_aggregated_gradients` divides the sum by N. Local
-    variables (`scale_local_gradients`) are the TensorFlow backend's only."""
+    `optimizer.iterations`); `average_aggregated_gradients` divides the sum by N. The gradients
+    of variables passed to `register_local_var` (or of PartialDistributedOptimizer's local
+    layers) are not reduced; `scale_local_gradients` divides them by the set size."""
     if op not in (Average, Sum):
         raise ValueError("op currently only supports Average and Sum")
     if gradient_predivide_factor != 1.0 and op != Average:
@@ -142,8 +159,40 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                                      "process_set": process_set, "groups": groups,
                                      "passes": int(backward_passes_per_step),
                                      "average_aggregated": bool(average_aggregated_gradients),
-                                     "sums": {}, "count": 0})
+                                     "sums": {}, "count": 0, "local": {},
+                                     "scale_local": bool(scale_local_gradients),
+                                     "pending_layers": []})
     return new
+
+
+def _register_pending_layers(optimizer) -> None:
+    """Register the variables of the local layers built since the last call
+    (PartialDistributedOptimizer; _keras_callbacks.built_layer_variables)."""
+    cfg = optimizer._hvd
+    if cfg["pending_layers"]:
+        found, cfg["pending_layers"] = built_layer_variables(cfg["pending_layers"])
+        for var in found:
+            optimizer.register_local_var(var)
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                                compression=Compression.none, sparse_as_dense=False,
+                                gradient_predivide_factor=1.0, op=Average, groups=None,
+                                process_set=global_process_set, local_layers=None,
+                                scale_local_gradients=True):
+    """A `DistributedOptimizer` that keeps the gradients of `local_layers` (a Keras layer or a
+    list of them) local: not reduced, and divided by the set size with
+    `scale_local_gradients` (Horovod's `horovod.keras.PartialDistributedOptimizer`)."""
+    layers = local_layer_list(local_layers, keras.layers.Layer)
+    opt = DistributedOptimizer(optimizer, name=name, device_dense=device_dense,
+                               device_sparse=device_sparse, compression=compression,
+                               sparse_as_dense=sparse_as_dense,
+                               gradient_predivide_factor=gradient_predivide_factor, op=op,
+                               groups=groups, process_set=process_set,
+                               scale_local_gradients=scale_local_gradients)
+    opt._hvd["pending_layers"] = layers
+    _register_pending_layers(opt)
+    return opt
 
 
 def _as_torch(value) -> torch.Tensor:
@@ -222,7 +271,8 @@ __all__ = [
     "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built",
     "ccl_built", "cuda_built", "rocm_built", "ProcessSet", "global_process_set",
     "add_process_set", "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max",
-    "Product", "Compression", "DistributedOptimizer", "broadcast_global_variables", "allreduce",
+    "Product", "Compression", "DistributedOptimizer", "PartialDistributedOptimizer",
+    "broadcast_global_variables", "allreduce",
     "allgather", "broadcast", "reducescatter", "load_model", "broadcast_variables",
     "broadcast_object", "allgather_object", "HorovodInternalError", "HostsUpdatedInterrupt",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from .compression import Compression
+from .._keras_callbacks import local_layer_list
 from .gradients import GradientReducer, call_site, check_reduce_args
 from .mpi_ops import Average, global_process_set
 
@@ -97,18 +98,7 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",
                                    local_layers=None, scale_local_gradients=True):
     """A `DistributedGradientTape` that leaves the gradients of `local_layers` (Keras layers,
     e.g. a per-rank head) local. The other arguments are those of DistributedGradientTape."""
-    layer_cls = tf.keras.layers.Layer
-    if local_layers is None:
-        local_layers = []
-    elif isinstance(local_layers, layer_cls):
-        local_layers = [local_layers]
-    else:
-        local_layers = list(local_layers)
-        bad = [type(layer).__name__ for layer in local_layers
-               if not isinstance(layer, layer_cls)]
-        if bad:
-            raise ValueError(f"All local layers must be of tf.keras.layers.Layer type, got "
-                             f"{', '.join(bad)}")
+    local_layers = local_layer_list(local_layers, tf.keras.layers.Layer)
     tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
                                    sparse_as_dense, op, gradient_predivide_factor, num_groups,
                                    groups, process_set, scale_local_gradients)

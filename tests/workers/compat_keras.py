@@ -236,6 +236,58 @@ def check_load_model():
     loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)
 
 
+def check_partial_optimizer():
+    """PartialDistributedOptimizer (horovod.keras's): the local layer's gradients are not
+    averaged (divided by the set size with scale_local_gradients, as Horovod does), the other
+    layers' are. The optimizer is wrapped before the model is built, when the local layer has
+    no variables yet (Horovod's collected none then and averaged the layer)."""
+    x, y = data()
+    per_rank, lr = 4, 0.1
+
+    def build():
+        head = keras.layers.Dense(1, name="head")
+        return keras.Sequential([keras.layers.Dense(4, activation="tanh"), head]), head
+
+    def one_step(m, opt, r):
+        m.compile(optimizer=opt, loss="mse", jit_compile=False)
+        rows = slice(r * per_rank, (r + 1) * per_rank)
+        m.fit(x[rows], y[rows], batch_size=per_rank, epochs=1, shuffle=False, verbose=0)
+
+    ref0, _ = build()
+    ref0(x[:1])
+    w0 = hvd.broadcast_object(ref0.get_weights(), root_rank=0)
+    grads = []                            # every rank's gradients, from plain Keras here
+    for r in range(SIZE):
+        m, _ = build()
+        m(x[:1])
+        m.set_weights(w0)
+        one_step(m, keras.optimizers.SGD(learning_rate=lr), r)
+        grads.append([(a - b) / lr for a, b in zip(w0, m.get_weights())])
+    for scale in (True, False):
+        m, head = build()
+        opt = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(learning_rate=lr),
+                                              local_layers=head, scale_local_gradients=scale)
+        m(x[:1])
+        m.set_weights(w0)
+        one_step(m, opt, RANK)
+        got = m.get_weights()
+        n_body = len(m.layers[0].get_weights())
+        for i, (w, g) in enumerate(zip(w0, grads[RANK])):
+            if i < n_body:
+                want = w - lr * np.mean([grads[r][i] for r in range(SIZE)], axis=0)
+                close(got[i], want, f"averaged layer, weight {i} (scale={scale})")
+            else:
+                want = w - lr * g / (SIZE if scale else 1)
+                close(got[i], want, f"local layer, weight {i} (scale={scale})")
+    try:
+        hvd.PartialDistributedOptimizer(keras.optimizers.SGD(), local_layers=[object()])
+    except ValueError as exc:
+        if "All local layers must be of tf.keras.layers.Layer type" not in str(exc):
+            raise
+    else:
+        raise AssertionError("a non-layer in local_layers was accepted")
+
+
 def check_api():
     for name in ("DistributedOptimizer", "broadcast_global_variables", "allreduce", "allgather",
                  "broadcast", "load_model", "init", "rank", "size", "local_rank", "local_size",
@@ -267,7 +319,8 @@ def check_api():
             raise AssertionError(f"{name}({', '.join(params)}) != Horovod's ({expected})")
 
 
-# horovod/keras/__init__.py (Horovod 0.28)
+# horovod/tensorflow/keras/__init__.py (Horovod 0.28; a superset of horovod/keras's), and
+# PartialDistributedOptimizer from horovod/keras/__init__.py
 HOROVOD_KERAS_SIGNATURES = {
     "DistributedOptimizer": "optimizer, name=None, device_dense='', device_sparse='', "
                             "compression=Compression.none, sparse_as_dense=False, "
@@ -275,6 +328,11 @@ HOROVOD_KERAS_SIGNATURES = {
                             "backward_passes_per_step=1, average_aggregated_gradients=False, "
                             "num_groups=0, groups=None, process_set=global_process_set, "
                             "scale_local_gradients=True",
+    "PartialDistributedOptimizer": "optimizer, name=None, device_dense='', device_sparse='', "
+                                   "compression=Compression.none, sparse_as_dense=False, "
+                                   "gradient_predivide_factor=1.0, op=Average, groups=None, "
+                                   "process_set=global_process_set, local_layers=None, "
+                                   "scale_local_gradients=True",
     "broadcast_global_variables": "root_rank",
     "allreduce": "value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, "
                  "op=None, compression=Compression.none",
@@ -293,6 +351,7 @@ def main():
     check("fit", check_fit)
     check("lr_callbacks", check_lr_callbacks)
     check("accumulation_and_groups", check_accumulation_and_groups)
+    check("partial_optimizer", check_partial_optimizer)
     check("elastic_state", check_elastic_state)
     check("load_model", check_load_model)
     finish()

@@ -23,6 +23,8 @@ from . import callbacks  # noqa: E402
 from .optimizer import create_distributed_optimizer as _create  # noqa: E402
 from .optimizer import is_distributed as _is_distributed  # noqa: E402
 from .optimizer import is_keras3 as _is_keras3  # noqa: E402
+from .optimizer import register_pending_layers as _register_pending_layers  # noqa: E402
+from ..._keras_callbacks import local_layer_list as _local_layer_list  # noqa: E402
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
@@ -63,6 +65,30 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                    average_aggregated_gradients=average_aggregated_gradients,
                    num_groups=num_groups, groups=groups, process_set=process_set,
                    scale_local_gradients=scale_local_gradients)
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                                compression=Compression.none, sparse_as_dense=False,
+                                gradient_predivide_factor=1.0, op=Average, groups=None,
+                                process_set=global_process_set, local_layers=None,
+                                scale_local_gradients=True):
+    """A `DistributedOptimizer` that keeps the gradients of `local_layers` (a Keras layer or a
+    list of them: a per-rank head, a rank's own embedding) local: they are not reduced, and
+    with `scale_local_gradients` they are divided by the set size, as Horovod does. Horovod's
+    `horovod.keras.PartialDistributedOptimizer`; the other arguments are DistributedOptimizer's.
+
+    Layers that are not built yet (no variables before the model's first call) are registered
+    when they are, before the first update."""
+    layers = _local_layer_list(local_layers, _tf.keras.layers.Layer)
+    opt = DistributedOptimizer(optimizer, name=name, device_dense=device_dense,
+                               device_sparse=device_sparse, compression=compression,
+                               sparse_as_dense=sparse_as_dense,
+                               gradient_predivide_factor=gradient_predivide_factor, op=op,
+                               groups=groups, process_set=process_set,
+                               scale_local_gradients=scale_local_gradients)
+    opt._hvd.pending_layers = layers
+    _register_pending_layers(opt)
+    return opt
 
 
 def broadcast_global_variables(root_rank):
@@ -128,7 +154,8 @@ __all__ = [
     "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built",
     "ccl_built", "cuda_built", "rocm_built", "ProcessSet", "global_process_set",
     "add_process_set", "remove_process_set", "Average", "Sum", "Adasum", "Min", "Max",
-    "Product", "Compression", "DistributedOptimizer", "broadcast_global_variables", "allreduce",
+    "Product", "Compression", "DistributedOptimizer", "PartialDistributedOptimizer",
+    "broadcast_global_variables", "allreduce",
     "allgather", "broadcast", "reducescatter", "load_model", "broadcast_variables",
     "broadcast_object", "allgather_object", "callbacks", "HorovodInternalError",
     "HostsUpdatedInterrupt",

@@ -18,6 +18,7 @@ import warnings
 
 import tensorflow as tf
 
+from ..._keras_callbacks import built_layer_variables as _built_layer_variables
 from ..._keras_callbacks import optimizer_variables as _optimizer_variables
 from ..compression import Compression
 from ..gradient_aggregation import LocalGradientAggregationHelper
@@ -162,6 +163,19 @@ class _HvdConfig:
         self.reducer = reducer
         self.agg = agg
         self.source = source
+        # PartialDistributedOptimizer's local layers that were not built yet: their variables
+        # are registered as local once they exist (register_pending_layers).
+        self.pending_layers: list = []
+
+
+def register_pending_layers(optimizer) -> None:
+    """Register the variables of the optimizer's local layers (PartialDistributedOptimizer)
+    built since the last call, before the update that would reduce them."""
+    hvd = optimizer._hvd
+    if hvd.pending_layers:
+        found, hvd.pending_layers = _built_layer_variables(hvd.pending_layers)
+        for var in found:
+            optimizer.register_local_var(var)
 
 
 def _copy_state(dst, src) -> None:
@@ -200,6 +214,7 @@ class _Keras3Distributed:
 
     def apply(self, grads, trainable_variables=None):
         hvd = self._hvd
+        register_pending_layers(self)
         grads = list(grads)
         if trainable_variables is None:
             if not self.built:
@@ -255,6 +270,7 @@ class _TFKerasDistributed:
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         hvd = self._hvd
+        register_pending_layers(self)
         pairs = list(grads_and_vars)
         if not pairs:
             return super().apply_gradients(pairs, *args, **kwargs)
@@ -340,5 +356,5 @@ def is_distributed(optimizer) -> bool:
     return bool(getattr(optimizer, "_hvd_distributed", False))
 
 
-__all__ = ["create_distributed_optimizer", "keras_module", "is_keras3", "check_backend",
+__all__ = ["create_distributed_optimizer", "register_pending_layers", "keras_module", "is_keras3", "check_backend",
            "optimizer_flavor", "distributed_class_for", "is_distributed", "var_ref"]
