@@ -429,11 +429,35 @@ def test_too_few_slots_for_np_stops_after_elastic_timeout(tmp_path, jobs):
      "argument --blacklist-cooldown-range: expected 0 <= MIN <= MAX, got 5 2"),
     ("--min-np 1 -H localhost:1 --host-discovery-script x true",
      "argument --host-discovery-script: not allowed with argument -H/--hosts"),
+    # A fixed host list gains no slots: refused at once (horovodrun waits 600 s, then fails).
+    ("-np 3 --min-np 2 -H localhost:2 true",
+     "-np 3 but the hosts give only 2 slots: localhost:2; an elastic job on a fixed host list "
+     "(-H/--hostfile) cannot gain hosts"),
+    ("--min-np 3 -H localhost:2 true", "--min-np 3 but the hosts give only 2 slots"),
 ])
 def test_elastic_usage_errors(args, message):
     out = subprocess.run([HVDLITE_RUN, *args.split()], capture_output=True, text=True,
                          timeout=30)
     assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_fixed_hosts_below_min_np_after_a_failure_stop_at_once():
+    """On a fixed host list, once a failed host is blacklisted for good and the slots left are
+    below --min-np, no slot can come back: the job stops at once, not after --elastic-timeout
+    (600 s by default)."""
+    command = ('if [ "$HOROVOD_HOSTNAME" = 127.0.0.1 ]; then exit 3; fi; sleep 60')
+    start = time.monotonic()
+    out = subprocess.run([HVDLITE_RUN, "-np", "2", "--min-np", "2", "-H",
+                          "localhost:1,127.0.0.1:1", "sh", "-c", command],
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == 1, out.stderr
+    assert re.search(r"elastic: only 1 slots left but 2 needed \(-np 2\), and a fixed host "
+                     r"list \(-H/--hostfile, no --host-discovery-script\) gains none \(a failed "
+                     r"host stays out without --blacklist-cooldown-range\); hosts: localhost:1, "
+                     r"127\.0\.0\.1:1 \(blacklisted\)",
+                     out.stderr), out.stderr
+    assert time.monotonic() - start < 45, out.stderr
 
 
 @pytest.mark.timeout(60)

@@ -142,7 +142,8 @@ def test_yaml_config_with_anchors_and_lists(tmp_path):
     cfg.write_text("params:\n  fusion_threshold_mb:\n    - 1\n    - 2\n")
     out = launch("-np", "1", "--config-file", cfg, "true", timeout=20)
     assert out.returncode == 2
-    assert "argument --fusion-threshold-mb: expected an integer, got [1, 2]" in out.stderr
+    assert (f"config file {cfg}: params.fusion_threshold_mb (--fusion-threshold-mb): "
+            "expected an integer, got [1, 2]") in out.stderr, out.stderr
     for bad in ("a: [1, 2\n", "params: *missing\n"):
         cfg.write_text(bad)
         with pytest.raises(ConfigError, match=re.escape(str(cfg))):
@@ -287,6 +288,18 @@ def test_bad_hostfile_and_config(tmp_path):
     cfg.write_text("params:\n  fusion_threshold: 3\n")
     out = launch("-np", "1", "--config-file", cfg, "true", timeout=20)
     assert out.returncode == 2 and "unknown key params.fusion_threshold" in out.stderr
+    # A bad value in the file names the file and its key, not only a flag nobody typed.
+    cfg.write_text("params:\n  fusion_threshold_mb: -3\nlogging:\n  level: loud\n")
+    out = launch("-np", "1", "--config-file", cfg, "true", timeout=20)
+    assert out.returncode == 2 and (f"config file {cfg}: params.fusion_threshold_mb "
+                                    f"(--fusion-threshold-mb): must be >= 0, got -3"
+                                    ) in out.stderr, out.stderr
+    cfg.write_text("logging:\n  level: loud\n")
+    out = launch("-np", "1", "--config-file", cfg, "true", timeout=20)
+    assert out.returncode == 2 and f"config file {cfg}: logging.level (--log-level): " \
+        "invalid choice 'loud'" in out.stderr, out.stderr
+    out = launch("-np", "1", "--fusion-threshold-mb", "-3", "true", timeout=20)
+    assert "argument --fusion-threshold-mb: must be >= 0, got -3" in out.stderr, out.stderr
 
 
 # --------------------------------------------------------------------------- real ranks
@@ -528,8 +541,10 @@ def test_run_rejects_bad_arguments():
         run(print, num_proc=2, hosts="localhost:1")
     with pytest.raises(ValueError, match="4 is larger than --max-np 2"):
         run(print, min_num_proc=4, max_num_proc=2)
-    with pytest.raises(ValueError, match="use_mpi is not available yet"):
-        run(print, num_proc=1, use_mpi=True)
+    with pytest.raises(ValueError, match="ssh_port cannot be used with use_mpi=True"):
+        run(print, num_proc=1, use_mpi=True, ssh_port=22)
+    with pytest.raises(ValueError, match="use_mpi cannot run elastic jobs"):
+        run(print, min_num_proc=1, use_mpi=True)
 
 
 @pytest.mark.timeout(90)

@@ -140,6 +140,38 @@ def test_a_call_nobody_matches_times_out(mode):
 
 
 @pytest.mark.timeout(150)
+def test_run_api_with_use_mpi(monkeypatch):
+    """horovod.run(use_mpi=True): the ranks start under mpiexec and run their collectives on
+    MPI; the values come back in rank order, and a rank's exception with its traceback."""
+    from hvdlite.runner import run
+
+    def work(x):            # (local functions travel by value)
+        import torch
+
+        import hvdlite.torch as hvd
+        hvd.init()
+        total = hvd.allreduce(torch.tensor([float(hvd.rank() + x)]), op=hvd.Sum).item()
+        out = (hvd.rank(), hvd.size(), bool(hvd.mpi_enabled()), total)
+        hvd.shutdown()
+        return out
+
+    def boom():
+        import os
+        if os.environ.get("PMI_RANK") == "1":
+            raise ValueError("boom from MPI rank 1")
+        return "fine"
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    got = run(work, args=(10,), num_proc=2, use_mpi=True)
+    assert got == [(0, 2, True, 21.0), (1, 2, True, 21.0)], got
+    with pytest.raises(RuntimeError) as info:
+        run(boom, num_proc=2, use_mpi=True)
+    text = str(info.value)
+    assert text.startswith("rank 1 raised an exception"), text
+    assert "ValueError: boom from MPI rank 1" in text, text
+
+
+@pytest.mark.timeout(150)
 def test_mpirun_job_with_gloo_transport():
     """HOROVOD_CPU_OPERATIONS=gloo under mpiexec: ranks meet over MPI, data goes over gloo."""
     proc = mpiexec("env_start.py", 2, env={"HOROVOD_CPU_OPERATIONS": "gloo"})

@@ -91,7 +91,17 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dic
     except UsageError as e:
         raise ValueError(str(e)) from None
     if hargs.use_mpi:
-        raise ValueError("use_mpi is not available yet; use use_gloo (the default)")
+        if hargs.elastic:
+            raise ValueError("use_mpi cannot run elastic jobs (Horovod's elastic mode needs "
+                             "gloo); drop use_mpi or min_num_proc/host_discovery_script")
+        unused = [name for name, value in (
+            ("ssh_port", ssh_port), ("ssh_identity_file", ssh_identity_file),
+            ("network_interface(s)", hargs.nics), ("output_filename", output_filename))
+            if value]
+        if unused:
+            raise ValueError(f"{', '.join(unused)} cannot be used with use_mpi=True: mpiexec "
+                             f"starts the ranks (pass its own options in mpi_args), or drop "
+                             f"use_mpi")
 
     payload = cloudpickle.dumps((func, tuple(args), dict(kwargs or {})))
     env = dict(os.environ)
@@ -99,6 +109,8 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dic
     command = [executable or sys.executable, "-m", "hvdlite.runner.run_task"]
     if hargs.elastic:
         return _run_elastic(hargs, command, env, payload)
+    if hargs.use_mpi:
+        return _run_mpi(hargs, command, env, payload)
 
     slots_info = assign_slots(hargs.host_list, hargs.num_proc)
     spec = JobSpec(command=command, slots=slots_info, env=env,
@@ -137,6 +149,53 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dic
             raise RuntimeError(f"rank {rank} exited with code 0 without returning a result")
         values.append(got[1])
     return values
+
+
+def _run_mpi(hargs: Any, command: list[str], env: dict[str, str], payload: bytes) -> list[Any]:
+    """use_mpi=True: the ranks start under mpiexec, as with `hvdlite-run --mpi`, and run their
+    collectives on MPI; they reach the driver's store only to fetch `func` and to hand back
+    its result (run_task.py)."""
+    import cloudpickle
+
+    from hvdlite.runner.driver import Rendezvous
+    from hvdlite.runner.mpi_run import MPILaunchError, run_mpi
+    from hvdlite.runner.run_task import FUNC_KEY, result_key
+    from hvdlite.runner.secret import SECRET_ENV
+    from hvdlite.runner.worker_env import COORDINATES
+
+    hosts = [h.name for h in hargs.host_list]
+    rendezvous = Rendezvous(hosts, hargs.start_timeout, hargs.nics)
+    rendezvous.put_signed(FUNC_KEY, payload)
+    # One environment for every rank (mpiexec passes it on): the address the first host
+    # reaches the driver at (127.0.0.1 where every host is this machine).
+    env = dict(env)
+    for name in COORDINATES:          # the ranks' coordinates are MPI's, not a caller's
+        env.pop(f"HVDLITE_{name}", None)
+        env.pop(f"HOROVOD_{name}", None)
+    env["HVDLITE_STORE_ADDR"] = rendezvous.addr_for(hosts[0])
+    env["HVDLITE_STORE_PORT"] = str(rendezvous.port)
+    env["HVDLITE_START_TIMEOUT"] = str(hargs.start_timeout)
+    env[SECRET_ENV] = rendezvous.key.hex()
+    mpi_args = " ".join(a for a in (getattr(hargs, "binding_args", None), hargs.mpi_args)
+                        if a) or None
+    try:
+        code = run_mpi(hargs.num_proc, hargs.host_list, command, env, mpi_args,
+                       verbose=hargs.verbose)
+    except MPILaunchError as e:
+        raise ValueError(str(e)) from None
+
+    outcomes = []
+    for rank in range(hargs.num_proc):
+        data = rendezvous.get_signed(result_key(rank))
+        outcomes.append(None if data is None else cloudpickle.loads(data))
+    for rank, got in enumerate(outcomes):
+        if got is not None and got[0] == "error":
+            raise RuntimeError(f"rank {rank} raised an exception:\n{got[1]}")
+    missing = [rank for rank, got in enumerate(outcomes) if got is None]
+    if missing or code != 0:
+        raise RuntimeError(f"rank {missing[0] if missing else 0} exited before returning a "
+                           f"result (mpiexec exited with code {code}; see its output above)")
+    return [got[1] for got in outcomes]
 
 
 def _run_elastic(hargs: Any, command: list[str], env: dict[str, str], payload: bytes) -> list[Any]:

@@ -74,10 +74,16 @@ def load_config(path: str) -> dict[str, Any]:
 
 
 def apply_config(args: Any, config: dict[str, Any], explicit: set[str], path: str) -> None:
-    """Copy config values onto `args`, except for destinations given on the command line."""
-    def put(dest: str, value: Any) -> None:
+    """Copy config values onto `args`, except for destinations given on the command line.
+    `args.config_sources` maps each destination set here to its key in the file
+    ("params.cycle_time_ms"), so a bad value's error names the file and the key."""
+    sources: dict[str, str] = {}
+    args.config_sources = sources
+
+    def put(dest: str, value: Any, key: str) -> None:
         if dest not in explicit and value is not None:
             setattr(args, dest, value)
+            sources[dest] = key
 
     for section, body in config.items():
         if isinstance(section, str) and section.startswith("x-"):
@@ -90,7 +96,7 @@ def apply_config(args: Any, config: dict[str, Any], explicit: set[str], path: st
                 setattr(args, "use_" + body.lower(), True)
             continue
         if section == "verbose":
-            put("verbose", bool(body))
+            put("verbose", bool(body), "verbose")
             continue
         keys = _SECTIONS.get(section)
         if keys is None:
@@ -107,4 +113,4 @@ def apply_config(args: Any, config: dict[str, Any], explicit: set[str], path: st
                                   f"(known: {', '.join(keys)})")
             if section == "stall_check" and key == "enabled" and value is not None:
                 value = not bool(value)
-            put(dest, value)
+            put(dest, value, f"{section}.{key}")

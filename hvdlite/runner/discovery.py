@@ -61,6 +61,8 @@ def parse_host_lines(text: str, source: str, default_slots: int) -> "OrderedDict
 class HostDiscoveryScript:
     """Runs `--host-discovery-script` and parses its output."""
 
+    fixed = False      # the hosts may change at every call
+
     def __init__(self, command: str, default_slots: Optional[int], timeout_s: float) -> None:
         self.command = command
         self.default_slots = default_slots or 1
@@ -98,6 +100,8 @@ class HostDiscoveryScript:
 class FixedHosts:
     """`-H`/`--hostfile` in elastic mode (`--min-np`/`--max-np` without a discovery script)."""
 
+    fixed = True       # never a host more: only a blacklist cooldown gives slots back
+
     def __init__(self, hosts: Sequence[HostSpec]) -> None:
         self.hosts: "OrderedDict[str, int]" = OrderedDict((h.name, h.slots) for h in hosts)
 
@@ -128,6 +132,10 @@ class Blacklist:
         delay = max(float(low), min(float(high), delay))
         self.until[host] = max(self.until.get(host, 0.0), now + delay)
         return delay
+
+    def returns(self) -> bool:
+        """Whether a blacklisted host will come back (a cooldown is running out)."""
+        return any(t != float("inf") for t in self.until.values())
 
     def is_blacklisted(self, host: str, now: Optional[float] = None) -> bool:
         now = time.monotonic() if now is None else now

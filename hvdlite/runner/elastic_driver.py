@@ -467,6 +467,16 @@ class ElasticDriver:
         # Too few slots (whatever the workers are doing): wait for more, --elastic-timeout long.
         needed = self.spec.num_proc if self.round == 0 else self.spec.min_np
         if len(target) < needed:
+            if getattr(self.spec.discovery, "fixed", False) and not self.blacklist.returns():
+                # A fixed host list gains no slots, and no blacklisted host comes back: waiting
+                # --elastic-timeout (600 s) cannot help.
+                self._stop(f"elastic: only {len(target)} slots left but {needed} needed "
+                           f"({self._needed_flag()}), and a fixed host list (-H/--hostfile, no "
+                           f"--host-discovery-script) gains none"
+                           + ("" if self.spec.cooldown_range else
+                              " (a failed host stays out without --blacklist-cooldown-range)")
+                           + f"; hosts: {self._usable_text(now)}", EXIT_STOPPED)
+                return
             if self.short_since is None:
                 self.short_since = now
                 self._say(f"elastic: waiting for more slots: {len(target)} available, "

@@ -276,6 +276,16 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
             raise UsageError(f"argument {_flag(dest)}: {why}")
 
 
+def _source(args: argparse.Namespace, dest: str) -> str:
+    """Where `dest`'s value came from, for an error message: "argument --flag", or for a value
+    read from --config-file the file and key (config_file.apply_config records them), so that
+    a bad value in the file is not blamed on a flag nobody typed."""
+    key = (getattr(args, "config_sources", None) or {}).get(dest)
+    if key is not None:
+        return f"config file {args.config_file}: {key} ({_flag(dest)})"
+    return f"argument {_flag(dest)}"
+
+
 def _check_values(args: argparse.Namespace) -> None:
     for dest, kind, low, high in _NUMBERS:
         value = getattr(args, dest, None)
@@ -289,32 +299,32 @@ def _check_values(args: argparse.Namespace) -> None:
                 raise ValueError
         except (TypeError, ValueError):
             expected = "an integer" if kind is int else "a number"
-            raise UsageError(f"argument {_flag(dest)}: expected {expected}, "
+            raise UsageError(f"{_source(args, dest)}: expected {expected}, "
                              f"got {value!r}") from None
         value = int(number) if kind is int else number
         setattr(args, dest, value)
         if value < low or (high is not None and value > high):
             bound = f"between {low} and {high}" if high is not None else f">= {low}"
-            raise UsageError(f"argument {_flag(dest)}: must be {bound}, got {value}")
+            raise UsageError(f"{_source(args, dest)}: must be {bound}, got {value}")
     for dest in _BOOLS:
         value = getattr(args, dest, None)
         if value is not None and not isinstance(value, bool):
-            raise UsageError(f"argument {_flag(dest)}: expected true or false, got {value!r}")
+            raise UsageError(f"{_source(args, dest)}: expected true or false, got {value!r}")
     for dest in _STRINGS:
         value = getattr(args, dest, None)
         if value is not None and (not isinstance(value, str) or not value):
-            raise UsageError(f"argument {_flag(dest)}: expected a file name, got {value!r}")
+            raise UsageError(f"{_source(args, dest)}: expected a file name, got {value!r}")
     if args.log_level is not None:
         level = str(args.log_level).upper()
         if level not in LOG_LEVELS:
-            raise UsageError(f"argument --log-level: invalid choice {args.log_level!r} "
+            raise UsageError(f"{_source(args, 'log_level')}: invalid choice {args.log_level!r} "
                              f"(choose from {', '.join(LOG_LEVELS)})")
         args.log_level = level
     if args.thread_affinity is not None:
         text = str(args.thread_affinity).replace(" ", "")
         if not re.fullmatch(r"\d+(,\d+)*", text):
-            raise UsageError("argument --thread-affinity: expected a core id or a comma-separated "
-                             f"list of core ids, got {args.thread_affinity!r}")
+            raise UsageError(f"{_source(args, 'thread_affinity')}: expected a core id or a "
+                             f"comma-separated list of core ids, got {args.thread_affinity!r}")
         args.thread_affinity = text
     if args.cooldown_range is not None:
         low, high = args.cooldown_range
@@ -406,6 +416,16 @@ def check_args(args: argparse.Namespace, need_command: bool = True,
         raise UsageError(str(e)) from None
     if not args.elastic and args.num_proc > total_slots(args.host_list):
         raise UsageError(too_few_slots_message(args.num_proc, args.host_list))
+    if args.elastic and not args.host_discovery_script:
+        # Fixed hosts never gain slots: waiting for more (horovodrun waits --elastic-timeout,
+        # 600 s, then fails) cannot help.
+        start_np = args.num_proc or args.min_num_proc or 1
+        if start_np > total_slots(args.host_list):
+            raise UsageError(
+                too_few_slots_message(start_np, args.host_list).replace(
+                    "-np", "-np" if args.num_proc else "--min-np", 1)
+                + "; an elastic job on a fixed host list (-H/--hostfile) cannot gain hosts, so "
+                  "give more slots, a smaller -np/--min-np, or a --host-discovery-script")
     _check_nics(args)
     if need_command and not args.command:
         raise UsageError(f"no command given: {PROG} -np N [options] command [args ...]")

@@ -14,11 +14,16 @@ import sys
 import threading
 
 
-def _rank() -> str:
-    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK"):
+MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+
+
+def mpi_rank_from_env(default: str = "?") -> str:
+    """This process's rank as the MPI launcher exported it (MPICH's Hydra, Open MPI, PMIx,
+    MVAPICH), before MPI_Init."""
+    for var in MPI_RANK_VARIABLES:
         if os.environ.get(var):
             return os.environ[var]
-    return "?"
+    return default
 
 
 def _pump(src, fd: int, prefix: bytes) -> None:
@@ -32,7 +37,7 @@ def main() -> int:
     if len(sys.argv) < 2:
         print("usage: python -m hvdlite.runner.mpi_rank COMMAND [ARGS...]", file=sys.stderr)
         return 2
-    rank = _rank()
+    rank = mpi_rank_from_env()
     proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             close_fds=False)
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -26,8 +26,12 @@ def main() -> int:
     from hvdlite.common import config
     from hvdlite.common.rendezvous import ELASTIC_WORKER_ENV
 
-    # An elastic worker's rank changes; its result is filed under its stable worker id.
-    rank = config.raw(ELASTIC_WORKER_ENV) or int(config.raw("HVDLITE_RANK"))
+    from hvdlite.runner.mpi_rank import mpi_rank_from_env
+
+    # An elastic worker's rank changes; its result is filed under its stable worker id. Under
+    # mpiexec (run(use_mpi=True)) the rank is MPI's.
+    rank = config.raw(ELASTIC_WORKER_ENV) or int(config.raw("HVDLITE_RANK")
+                                                   or mpi_rank_from_env("0"))
     timeout = datetime.timedelta(seconds=float(config.raw("HVDLITE_START_TIMEOUT", "30")))
     store = TCPStore(config.raw("HVDLITE_STORE_ADDR"), int(config.raw("HVDLITE_STORE_PORT")),
                      None, False, timeout=timeout)
