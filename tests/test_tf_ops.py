@@ -21,10 +21,11 @@ MODES = ["eager", "function"]
 PER_MODE = [f"allreduce_{op}" for op in ("Average", "Sum", "Min", "Max", "Product")] + [
     "allreduce_variants", "grouped_allreduce", "sparse_allreduce", "allgather", "broadcast",
     "broadcast_inplace", "alltoall", "reducescatter", "join_barrier", "gradients",
-    "gradient_tape", "gradient_path", "tf1_optimizer", "sync_batch_norm", "mismatch_errors"]
+    "gradient_tape", "gradient_path", "tf1_optimizer", "sync_batch_norm", "mismatch_errors", "adasum"]
 CHECKS = ["topology", "api"] + [f"{c}_{m}" for m in MODES for c in PER_MODE] + [
     "tf1_graph", "uneven_join", "process_sets", "objects", "partial_tape", "size_one_tape",
-    "local_errors", "unnamed_steady", "eager_without_tape", "autograph_leaves_hvdlite_alone"]
+    "local_errors", "one_rank_errors", "unnamed_steady", "eager_without_tape",
+    "autograph_leaves_hvdlite_alone"]
 
 
 @pytest.fixture(scope="module")

@@ -198,6 +198,35 @@ class wire_name:
             self._claim.__exit__(*exc)
 
 
+class refusing:
+    """`with refusing(kind, names, set_id, group):` around a collective's argument checks
+    (dtype, rank, op), inside its `wire_name` block: executing eagerly, an error they raise is
+    first sent to the other ranks under the collective's wire names (common.ops.refuse), then
+    raised here.
+
+    Why: a check that fails on one rank only (a string or complex tensor where the others pass
+    float32, a scalar to allgather) used to raise there alone, and its peers waited for the
+    collective until the stall shutdown (600 s by default), whose report named this rank as
+    hung; now every rank fails at once, the peers with a message that names the tensor, this
+    rank and the error. In a graph the checks run at trace time, not when the peers' nodes run,
+    so they raise as they are."""
+
+    __slots__ = ("kind", "names", "set_id", "group")
+
+    def __init__(self, kind: str, names: list, set_id: int, group=None):
+        self.kind, self.names, self.set_id, self.group = kind, names, set_id, group
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None or not issubclass(exc_type, (ValueError, TypeError, NotImplementedError)) \
+                or not tf.executing_eagerly():
+            return False
+        _cops.refuse(self.kind, self.names, exc, process_set=self.set_id, group=self.group)
+        return False
+
+
 def _in_xla(graph) -> bool:
     try:
         from tensorflow.python.ops import control_flow_util
@@ -247,9 +276,17 @@ def _differentiable(*dtypes) -> bool:
     return any(tf.as_dtype(d).is_floating or tf.as_dtype(d).is_complex for d in dtypes)
 
 
-def _check_reduce_op(op) -> None:
+def _check_reduce_op(op, set_id: int = 0, dtypes=()) -> None:
+    """Horovod's op checks. For Adasum its conditions (the global set, a power-of-two world,
+    floating-point tensors) are checked here, where the op is built (at trace time in a graph),
+    as Horovod's allreduce does; the engine reduces on the host (common/adasum.py)."""
     if op == ADASUM:
-        raise NotImplementedError("op=Adasum is not available yet in hvdlite; use Average or Sum.")
+        _cops.check_reduce_op(op, set_id, (), "allreduce")
+        for d in dtypes:
+            if not tf.as_dtype(d).is_floating:
+                raise ValueError(f"op=Adasum needs floating-point tensors (float16, bfloat16, "
+                                 f"float32 or float64); got {tf.as_dtype(d).name}.")
+        return
     if op not in (AVERAGE, SUM, MIN, MAX, PRODUCT):
         raise ValueError(f"unknown reduction op {op!r}; use hvd.Average, Sum, Min, Max or Product")
 

@@ -62,9 +62,7 @@ def check_reduce_args(op, gradient_predivide_factor, num_groups, groups):
         if op != Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
     groups = resolve_groups(groups, num_groups, "tf.Variable")
-    if op == Adasum:
-        raise NotImplementedError("op=Adasum is not available yet in hvdlite; use Average or Sum.")
-    if op not in (Average, Sum, Min, Max, Product):
+    if op not in (Average, Sum, Adasum, Min, Max, Product):
         raise ValueError(f"unknown reduction op {op!r}; use hvd.Average or hvd.Sum")
     return groups
 
@@ -131,6 +129,10 @@ class GradientReducer:
                     out[i] = tf.convert_to_tensor(out[i])
         dense = [i for i in todo if not isinstance(out[i], tf.IndexedSlices)]
         sparse = [i for i in todo if isinstance(out[i], tf.IndexedSlices)]
+        if sparse and self.op == Adasum:
+            raise NotImplementedError("The Adasum reduction does not currently support sparse "
+                                      "tensors. As a workaround please pass sparse_as_dense=True "
+                                      f"to {self.kind}")
         if sparse and self.op not in (Sum, Average):
             raise NotImplementedError("Only Sum and Average ops are supported with "
                                       "tf.IndexedSlices; pass sparse_as_dense=True")

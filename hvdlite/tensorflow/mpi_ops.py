@@ -37,7 +37,7 @@ from .bridge import (_BITCAST, _DTYPE_NAMES, _REDUCIBLE, _XLA_MESSAGE, _check_gr
                      _in_xla, _movable, _rt_allgather, _rt_allreduce, _rt_alltoall,
                      _rt_broadcast, _rt_reducescatter, _run, _set_id, _set_rank, _set_ranks,
                      _set_size, _to_tf, _to_torch, _unique_in_graph, _wire_name, filled,
-                     gather_shape, wire_name, with_gradient)
+                     gather_shape, refusing, wire_name, with_gradient)
 from .compression import Compression
 from .errors import eager_errors as _eager_errors
 
@@ -70,11 +70,12 @@ def _allreduce(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_factor=
                ignore_name_scope=False, process_set=global_process_set):
     """Reduce a dense tensor over the ranks of `process_set` (default op: Sum); differentiable."""
     tensor = tf.convert_to_tensor(tensor)
-    _check_reduce_op(op)
-    _dtype_name(tensor.dtype, True, "allreduce")
     set_id = _set_id(process_set)
     _check_graph("hvd.allreduce")
     with wire_name("Allreduce", name, ignore_name_scope, set_id) as (wire, cacheable):
+        with refusing("allreduce", [wire], set_id):
+            _dtype_name(tensor.dtype, True, "allreduce")
+            _check_reduce_op(op, set_id, [tensor.dtype])
         return _allreduce_named(tensor, wire, cacheable, op, float(prescale_factor),
                                 float(postscale_factor), set_id)
 
@@ -87,18 +88,24 @@ def _allreduce_named(tensor, wire, cacheable, op, pre, post, set_id):
 def _grouped_allreduce(tensors, name=None, op=Sum, prescale_factor=1.0, postscale_factor=1.0,
                        ignore_name_scope=False, process_set=global_process_set):
     tensors = [tf.convert_to_tensor(t) for t in tensors]
-    _check_reduce_op(op)
-    for t in tensors:
-        _dtype_name(t.dtype, True, "grouped_allreduce")
     set_id = _set_id(process_set)
     _check_graph("hvd.grouped_allreduce")
     with wire_name("GroupedAllreduce", name, ignore_name_scope, set_id) as (wire, cacheable):
+        with refusing("allreduce", _member_names(wire, len(tensors)), set_id, wire):
+            for t in tensors:
+                _dtype_name(t.dtype, True, "grouped_allreduce")
+            _check_reduce_op(op, set_id, [t.dtype for t in tensors])
         return _grouped_allreduce_named(tensors, wire, cacheable, op, float(prescale_factor),
                                         float(postscale_factor), set_id)
 
 
+def _member_names(wire: str, n: int) -> list:
+    """The wire names of a grouped call's members (and of broadcast_group's tensors)."""
+    return [f"{wire}.{i}" for i in range(n)]
+
+
 def _grouped_allreduce_named(tensors, wire, cacheable, op, pre, post, set_id, grouped=True):
-    names = [f"{wire}.{i}" for i in range(len(tensors))] if grouped else [wire]
+    names = _member_names(wire, len(tensors)) if grouped else [wire]
     what = "HorovodGroupedAllreduce" if grouped else "HorovodAllreduce"
 
     def forward(*xs):
@@ -128,10 +135,11 @@ def _sparse_allreduce(slices, op, name, process_set, ignore_name_scope, prescale
         raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
     values = tf.convert_to_tensor(slices.values)
     indices = tf.convert_to_tensor(slices.indices)
-    _dtype_name(values.dtype, True, "allreduce of tf.IndexedSlices")
     set_id = _set_id(process_set)
     _check_graph("hvd.allreduce (tf.IndexedSlices)")
     with wire_name("Allreduce", name, ignore_name_scope, set_id) as (wire, cacheable):
+        with refusing("allgather", [f"{wire}.values", f"{wire}.indices"], set_id):
+            _dtype_name(values.dtype, True, "allreduce of tf.IndexedSlices")
         new_values, new_indices = _sparse_allreduce_named(values, indices, wire, cacheable, op,
                                                           set_id)
         return tf.IndexedSlices(new_values, new_indices, dense_shape=slices.dense_shape)
@@ -156,13 +164,14 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     """Concatenate every rank's tensor along dimension 0 (first dimensions may differ);
     differentiable."""
     tensor = tf.convert_to_tensor(tensor)
-    if tensor.shape.rank == 0:
-        raise ValueError("allgather needs a tensor with at least one dimension; reshape the "
-                         "scalar to [1]")
-    tensor, restore = _movable(tensor, "allgather")
     set_id = _set_id(process_set)
     _check_graph("hvd.allgather")
     with wire_name("Allgather", name, ignore_name_scope, set_id) as (wire, cacheable):
+        with refusing("allgather", [wire], set_id):
+            if tensor.shape.rank == 0:
+                raise ValueError("allgather needs a tensor with at least one dimension; "
+                                 "reshape the scalar to [1]")
+            tensor, restore = _movable(tensor, "allgather")
         return restore(_allgather_named(tensor, wire, cacheable, set_id))
 
 
@@ -201,19 +210,21 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
-    for t in tensors:
-        if t.shape.rank == 0:
-            raise ValueError("grouped_allgather needs tensors with at least one dimension")
-    moved = [_movable(t, "grouped_allgather") for t in tensors]
     set_id = _set_id(process_set)
     _check_graph("hvd.grouped_allgather")
     with wire_name("GroupedAllgather", name, ignore_name_scope, set_id) as (wire, cacheable):
+        with refusing("allgather", _member_names(wire, len(tensors)), set_id, wire):
+            for t in tensors:
+                if t.shape.rank == 0:
+                    raise ValueError("grouped_allgather needs tensors with at least one "
+                                     "dimension")
+            moved = [_movable(t, "grouped_allgather") for t in tensors]
         outs = _grouped_allgather_named([m[0] for m in moved], wire, cacheable, set_id)
         return [restore(o) for o, (_, restore) in zip(outs, moved)]
 
 
 def _grouped_allgather_named(tensors, wire, cacheable, set_id, grouped=True):
-    names = [f"{wire}.{i}" for i in range(len(tensors))] if grouped else [wire]
+    names = _member_names(wire, len(tensors)) if grouped else [wire]
     what = "HorovodGroupedAllgather" if grouped else "HorovodAllgather"
 
     def forward(*xs):
@@ -235,10 +246,11 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
     """Broadcast `tensor` from `root_rank` (a global rank) to every rank of the set;
     differentiable."""
     tensor = tf.convert_to_tensor(tensor)
-    tensor, restore = _movable(tensor, "broadcast")
     set_id = _set_id(process_set)
     _check_graph("hvd.broadcast")
     with wire_name("Broadcast", name, ignore_name_scope, set_id) as (wire, cacheable):
+        with refusing("broadcast", [wire], set_id):
+            tensor, restore = _movable(tensor, "broadcast")
         return restore(_broadcast_named(tensor, int(root_rank), wire, cacheable, set_id))
 
 
@@ -298,11 +310,12 @@ def broadcast_group(tensors, root_rank, name=None, process_set=global_process_se
                     kind="BroadcastGroup", ignore_name_scope=False):
     """Broadcast many tensors in one node/one submission (they fuse); not differentiable."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
-    moved = [_movable(t, "broadcast") for t in tensors]
     set_id = _set_id(process_set)
     _check_graph("hvd.broadcast_variables")
     with wire_name(kind, name, ignore_name_scope, set_id) as (wire, cacheable):
-        names = [f"{wire}.{i}" for i in range(len(tensors))]
+        names = _member_names(wire, len(tensors))
+        with refusing("broadcast", names, set_id):
+            moved = [_movable(t, "broadcast") for t in tensors]
         root = int(root_rank)
 
         def fn(*xs):
@@ -331,15 +344,16 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     """Send rows `splits[i]` of `tensor` to rank i of the set and gather what every rank sent
     here. Returns the output, plus the received splits when `splits` is given; differentiable."""
     tensor = tf.convert_to_tensor(tensor)
-    if tensor.shape.rank == 0:
-        raise ValueError("alltoall needs a tensor with at least one dimension")
-    tensor, restore = _movable(tensor, "alltoall")
-    splits_t = None
-    if splits is not None:
-        splits_t = _alltoall_splits_tensor(splits)
     set_id = _set_id(process_set)
     _check_graph("hvd.alltoall")
     wire, _ = _wire_name("Alltoall", name, ignore_name_scope, set_id)
+    with refusing("alltoall", [wire], set_id):
+        if tensor.shape.rank == 0:
+            raise ValueError("alltoall needs a tensor with at least one dimension")
+        tensor, restore = _movable(tensor, "alltoall")
+        splits_t = None
+        if splits is not None:
+            splits_t = _alltoall_splits_tensor(splits)
     out, recv = _alltoall_named(tensor, splits_t, wire, set_id)
     out = restore(out)
     if splits is not None:
@@ -376,13 +390,14 @@ def _check_reducescatter_op(op) -> None:
 def _reducescatter(tensor, name=None, op=Sum, ignore_name_scope=False,
                    process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     tensor = tf.convert_to_tensor(tensor)
-    _check_reducescatter_op(op)
-    if tensor.shape.rank == 0:
-        raise ValueError("reducescatter needs a tensor with at least one dimension")
-    _dtype_name(tensor.dtype, True, "reducescatter")
     set_id = _set_id(process_set)
     _check_graph("hvd.reducescatter")
     with wire_name("Reducescatter", name, ignore_name_scope, set_id) as (wire, cacheable):
+        with refusing("reducescatter", [wire], set_id):
+            _check_reducescatter_op(op)
+            if tensor.shape.rank == 0:
+                raise ValueError("reducescatter needs a tensor with at least one dimension")
+            _dtype_name(tensor.dtype, True, "reducescatter")
         return _grouped_reducescatter_named([tensor], wire, cacheable, op, float(prescale_factor),
                                             float(postscale_factor), set_id, grouped=False)[0]
 
@@ -391,20 +406,22 @@ def _grouped_reducescatter(tensors, name=None, op=Sum, ignore_name_scope=False,
                            process_set=global_process_set, prescale_factor=1.0,
                            postscale_factor=1.0):
     tensors = [tf.convert_to_tensor(t) for t in tensors]
-    _check_reducescatter_op(op)
-    for t in tensors:
-        if t.shape.rank == 0:
-            raise ValueError("grouped_reducescatter needs tensors with at least one dimension")
-        _dtype_name(t.dtype, True, "grouped_reducescatter")
     set_id = _set_id(process_set)
     _check_graph("hvd.grouped_reducescatter")
     with wire_name("GroupedReducescatter", name, ignore_name_scope, set_id) as (wire, cacheable):
+        with refusing("reducescatter", _member_names(wire, len(tensors)), set_id, wire):
+            _check_reducescatter_op(op)
+            for t in tensors:
+                if t.shape.rank == 0:
+                    raise ValueError("grouped_reducescatter needs tensors with at least one "
+                                     "dimension")
+                _dtype_name(t.dtype, True, "grouped_reducescatter")
         return _grouped_reducescatter_named(tensors, wire, cacheable, op, float(prescale_factor),
                                             float(postscale_factor), set_id, grouped=True)
 
 
 def _grouped_reducescatter_named(tensors, wire, cacheable, op, pre, post, set_id, grouped):
-    names = [f"{wire}.{i}" for i in range(len(tensors))] if grouped else [wire]
+    names = _member_names(wire, len(tensors)) if grouped else [wire]
 
     def forward(*xs):
         return _run("HorovodReducescatter",

@@ -8,7 +8,7 @@ import tensorflow as tf
 from .compression import Compression
 from .gradient_aggregation import LocalGradientAggregationHelper
 from .gradients import GradientReducer, check_reduce_args
-from .mpi_ops import Average, global_process_set
+from .mpi_ops import Adasum, Average, global_process_set
 
 _LegacyOptimizer = tf.compat.v1.train.Optimizer
 
@@ -109,6 +109,15 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be > 0")
     if isinstance(optimizer, _LegacyOptimizer):
+        if op == Adasum:
+            # Horovod wraps a TF1 optimizer in its delta formulation (_DistributedAdasumOptimizer:
+            # step locally, then Adasum the change); reducing the gradients by Adasum instead
+            # would train differently without a word.
+            raise NotImplementedError(
+                "DistributedOptimizer(op=Adasum) for a TF1 optimizer (Horovod's delta "
+                "formulation) is not available in hvdlite; use "
+                "DistributedGradientTape(tape, op=hvd.Adasum), which reduces the gradients by "
+                "Adasum as Horovod's tape does, or hvdlite.torch's DistributedOptimizer")
         return _DistributedOptimizer(
             optimizer=optimizer, name=name, use_locking=use_locking, device_dense=device_dense,
             device_sparse=device_sparse, compression=compression,

@@ -721,14 +721,112 @@ def check_local_errors():
                   "not supported for reductions")
     expect_raises(ValueError, lambda: hvd.allreduce(tf.constant(["a"])), "string allreduce",
                   "not supported")
-    expect_raises(NotImplementedError, lambda: hvd.allreduce(tf.ones(2), op=hvd.Adasum),
-                  "Adasum", "Adasum")
     xla = tf.function(lambda x: hvd.allreduce(x), jit_compile=True)
     expect_raises(ValueError, lambda: xla(tf.ones(2)), "XLA", "jit_compile=False")
     expect_raises(ValueError, lambda: hvd.DistributedOptimizer(object()), "bad optimizer",
                   "object")
     expect_raises(ValueError, lambda: hvd.allreduce(tf.ones(2), average=True, op=hvd.Sum),
                   "average and op", "supersedes")
+
+
+def check_adasum(mode):
+    """op=hvd.Adasum (Horovod's pairwise formula, per tensor): allreduce, grouped_allreduce
+    and DistributedGradientTape(op=Adasum) against the NumPy reference (adasum_ref.py), and
+    Horovod's errors, raised where the op is built."""
+    from adasum_ref import adasum as adasum_ref
+    wrap = MODES[mode]
+    for dtype, tol in ((tf.float32, 1e-5), (tf.float64, 1e-12)):
+        x = inputs((3, 5), dtype, f"ada.{mode}.{dtype.name}")
+        f = wrap(lambda t: hvd.allreduce(t, op=hvd.Adasum, name=f"ada.{mode}.{dtype.name}"))
+        close(f(tf.constant(x[RANK])), adasum_ref(x), f"allreduce {dtype.name}",
+              rtol=tol, atol=tol)
+    a, b = inputs((7,), tf.float32, f"ada.ga.{mode}"), inputs((2, 2), tf.float64,
+                                                             f"ada.gb.{mode}")
+    g = wrap(lambda p, q: hvd.grouped_allreduce([p, q], op=hvd.Adasum))
+    got = g(tf.constant(a[RANK]), tf.constant(b[RANK]))
+    close(got[0], adasum_ref(a), "grouped_allreduce [0]")
+    close(got[1], adasum_ref(b), "grouped_allreduce [1]", rtol=1e-12, atol=1e-12)
+    # The tape: each gradient reduced by Adasum, as Horovod's tape does.
+    w0 = gen(0, (4, 2), tf.float32, f"ada.w.{mode}")
+    data = inputs((3, 4), tf.float32, f"ada.x.{mode}")
+    w = tf.Variable(w0)
+
+    def loss_of(var, xx):
+        return tf.reduce_sum(tf.tanh(tf.matmul(xx, var)))
+
+    def step(xx):
+        with tf.GradientTape() as tape:
+            loss = loss_of(w, xx)
+        return hvd.DistributedGradientTape(tape, op=hvd.Adasum).gradient(loss, [w])[0]
+
+    got = wrap(step)(tf.constant(data[RANK]))
+    per_rank = []
+    for r in range(SIZE):
+        v = tf.Variable(w0)
+        with tf.GradientTape() as tape:
+            loss = loss_of(v, tf.constant(data[r]))
+        per_rank.append(tape.gradient(loss, v).numpy())
+    close(got, adasum_ref(per_rank), "DistributedGradientTape(op=Adasum)")
+    expect_raises(ValueError, lambda: wrap(lambda t: hvd.allreduce(t, op=hvd.Adasum))(
+        tf.ones(2, tf.int32)), "integer Adasum", "floating-point")
+    if mode == "eager":
+        only0 = hvd.add_process_set([0])
+        if RANK == 0:
+            expect_raises(NotImplementedError, lambda: hvd.allreduce(
+                tf.ones(2), op=hvd.Adasum, process_set=only0), "Adasum on a process set",
+                "non-global process sets")
+        hvd.remove_process_set(only0)
+    expect_raises(NotImplementedError, lambda: hvd.DistributedOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1), op=hvd.Adasum),
+        "TF1 DistributedOptimizer(op=Adasum)", "delta formulation")
+
+
+def check_one_rank_errors():
+    """An argument error on one rank only (a string tensor, a scalar to gather, where the
+    others pass valid float32): that rank raises its own error, and every other rank gets one
+    that names the tensor, that rank and the reason at once (they waited for the stall
+    shutdown, 600 s); named and unnamed, grouped; then the names work again."""
+    odd = RANK == SIZE - 1
+
+    def bad_dtype():
+        return tf.constant(["a", "b", "c"]) if odd else tf.zeros((3,))
+
+    def scalar():
+        return tf.zeros(()) if odd else tf.zeros((SIZE,))
+
+    calls = {
+        "named allreduce": (lambda: hvd.allreduce(bad_dtype(), name="onerank.ar", op=hvd.Sum),
+                            "not supported"),
+        "unnamed allreduce": (lambda: hvd.allreduce(bad_dtype(), op=hvd.Sum), "not supported"),
+        "grouped_allreduce": (lambda: hvd.grouped_allreduce([tf.ones(2), bad_dtype()],
+                                                            name="onerank.group", op=hvd.Sum),
+                              "not supported"),
+        "allgather of a scalar": (lambda: hvd.allgather(scalar(), name="onerank.ag"),
+                                  "at least one dimension"),
+        "grouped_allgather": (lambda: hvd.grouped_allgather([tf.ones((2,)), scalar()]),
+                              "at least one dimension"),
+        "broadcast": (lambda: hvd.broadcast(bad_dtype(), 0, name="onerank.bc"),
+                      "not supported"),
+        "broadcast_variables": (lambda: hvd.broadcast_variables(
+            [tf.Variable(tf.ones(2)), tf.Variable(bad_dtype())], 0), "not supported"),
+        "reducescatter of a scalar": (lambda: hvd.reducescatter(scalar(), name="onerank.rs"),
+                                      "at least one dimension"),
+        "alltoall of a scalar": (lambda: hvd.alltoall(scalar(), name="onerank.a2a"),
+                                 "at least one dimension"),
+        "sparse allreduce": (lambda: hvd.allreduce(tf.IndexedSlices(
+            bad_dtype(), tf.constant([0, 1, 2], tf.int64), tf.constant([4], tf.int64)),
+            name="onerank.sparse"), "not supported"),
+    }
+    for what, (fn, reason) in calls.items():
+        if odd:
+            expect_raises(ValueError, fn, f"{what}, refused on rank {RANK}", reason)
+        else:
+            expect_raises(Exception, fn, f"{what}, when rank {SIZE - 1} refused it",
+                          [f"invalid arguments on rank {SIZE - 1}", reason])
+    same(hvd.allreduce(tf.ones(3), name="onerank.ar", op=hvd.Sum), np.full(3, SIZE, np.float32),
+         "'onerank.ar' used alike afterwards")
+    same(hvd.allgather(tf.ones((1,)), name="onerank.ag"), np.ones(SIZE, np.float32),
+         "'onerank.ag' used alike afterwards")
 
 
 TF_NAMES = """init shutdown is_initialized start_timeline stop_timeline size local_size cross_size
@@ -933,6 +1031,7 @@ def main():
         check(f"tf1_optimizer_{mode}", check_tf1_optimizer, mode)
         check(f"sync_batch_norm_{mode}", check_sync_batch_norm, mode)
         check(f"mismatch_errors_{mode}", check_mismatch_errors, mode)
+        check(f"adasum_{mode}", check_adasum, mode)
     check("tf1_graph", check_tf1_graph)
     check("uneven_join", check_uneven_join)
     check("process_sets", check_process_sets)
@@ -940,6 +1039,7 @@ def main():
     check("partial_tape", check_partial_tape)
     check("size_one_tape", check_size_one_tape)
     check("local_errors", check_local_errors)
+    check("one_rank_errors", check_one_rank_errors)
     check("unnamed_steady", check_unnamed_steady)
     check("eager_without_tape", check_eager_without_tape)
     check("autograph_leaves_hvdlite_alone", check_autograph_leaves_hvdlite_alone)
