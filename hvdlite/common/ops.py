@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import threading
+import time
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -48,12 +49,14 @@ class Handle:
     the caller's thread where the collective ran there: a synchronous MPI call); `fn` must not
     wait for another collective."""
 
-    __slots__ = ("_inner", "_post", "_alive", "_result", "_error", "_waited", "_lock")
+    __slots__ = ("_inner", "_post", "_alive", "_result", "_error", "_waited", "_lock", "_pace")
 
-    def __init__(self, inner, post: Callable[[list], Any], alive: Optional[Callable[[], bool]]):
+    def __init__(self, inner, post: Callable[[list], Any], alive: Optional[Callable[[], bool]],
+                 pace=None):
         self._inner = inner
         self._post = post
         self._alive = alive
+        self._pace = pace           # the engine's straggler.Pace, when the report is on
         self._waited = False
         self._result: Any = None
         self._error: Optional[BaseException] = None
@@ -73,6 +76,8 @@ class Handle:
                     self._error, self._waited = exc, True
                 else:
                     self._result, self._waited = self._post(results), True
+                    if self._pace is not None:
+                        self._pace.done(time.monotonic())
         if self._error is not None:
             raise self._error
         return self._result
@@ -102,9 +107,11 @@ def _state():
 
 
 def _submit(entries: list, post: Callable[[list], Any] = list, blocking: bool = False) -> Handle:
-    state = _state()
-    inner = state.engine.enqueue(entries, blocking)
-    return Handle(inner, post, state.engine.alive)
+    engine = _state().engine
+    if engine.pace is not None:
+        engine.pace.submitted(time.monotonic())
+    inner = engine.enqueue(entries, blocking)
+    return Handle(inner, post, engine.alive, engine.pace)
 
 
 # ---------------------------------------------------------------------- checks and naming
@@ -212,7 +219,10 @@ def _refuse_call(kind: str, rtype: int, buffers: Sequence[Buffer], names: Names,
                  group, exc: Exception):
     """Raise `exc`, an argument error found before a call's requests exist (an op the
     collective does not take, a scalar where a dimension is needed), once the other ranks were
-    told about every name the call would have used (_refuse)."""
+    told about every name the call would have used (_refuse). Before init there is nobody
+    to tell: `exc` as it is."""
+    if _basics._state is None:
+        raise exc
     sid = set_id(process_set)
     wire, base = resolve_names(kind, names, len(buffers), sid, group)
     gname, gsize = _group(group, base, len(buffers))
@@ -235,7 +245,10 @@ def refuse(kind: str, names: Sequence[str], exc: Exception, *, process_set=None,
     For errors found before the tensors became buffers: a TensorFlow dtype the engine cannot
     carry (a string tensor), a scalar where a dimension is needed. Raised alone, such an error
     left the peers waiting for these names until the stall shutdown (600 s by default).
-    `group`: the call's group name when it is grouped (its members are refused together)."""
+    `group`: the call's group name when it is grouped (its members are refused together).
+    Before init there is nobody to tell: `exc` as it is."""
+    if _basics._state is None:
+        raise exc
     rtype = _KIND_TYPES[kind]
     sid = set_id(process_set)
     names = [str(n) for n in names]
@@ -343,11 +356,14 @@ def allreduce(buffers: Sequence[Buffer], *, names: Names = None, op: int = AVERA
         if done is not None:                 # a Finished handle, or the general path's
             return Handle(done, list, engine.alive)
     elif blocking and len(entries) > 1:
+        pace = engine.pace
+        if pace is not None:
+            pace.submitted(time.monotonic())
         done = engine.express_many(entries)
         if done is True:                     # finished here; the names are free already
-            return Handle(Finished(entries, None), list, engine.alive)
+            return Handle(Finished(entries, None), list, engine.alive, pace)
         if done is not None:                 # the general path's handle
-            return Handle(done, list, engine.alive)
+            return Handle(done, list, engine.alive, pace)
     return _submit(entries, blocking=blocking)
 
 
@@ -477,11 +493,16 @@ def _allreduce_now(buffer: Buffer, output: Buffer, name: Optional[str], op: int,
         except ValueError as exc:
             _refuse_allreduces(state, sid, [name], [buffer], op, prescale, postscale, exc)
         engine = state.engine
+        pace = engine.pace
+        if pace is not None:
+            pace.submitted(time.monotonic())
         done = engine.express(Entry(req, _contiguous(buffer), output))
         if done is True:
+            if pace is not None:
+                pace.done(time.monotonic())
             return output
         if done is not None:
-            return Handle(done, _first, engine.alive).wait()
+            return Handle(done, _first, engine.alive, pace).wait()
     return allreduce([buffer], names=name, op=op, prescale=prescale, postscale=postscale,
                      process_set=process_set, outputs=[output]).wait()[0]
 
