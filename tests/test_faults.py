@@ -160,17 +160,20 @@ def test_hang_report_names_both_collectives_and_both_stacks(tmp_path):
 @pytest.mark.timeout(120)
 def test_straggler_report_points_at_the_slow_rank(tmp_path):
     marker = _marker()
-    # With the cache off every step is negotiated, so the coordinator times 25 submissions
-    # per rank. (Cached, the steady state releases the steps without it: the report rested
-    # on the one first negotiation, and its ratio swung from 2.75 to 4.8 between runs.)
+    # Every rank times its own submissions, so the steady state (the default, which releases
+    # cached steps without the coordinator) reports as negotiation does. (Timed by the
+    # coordinator, the report rested on the first negotiations, and its ratio swung from 2.75
+    # to 4.8 between runs.)
     proc = run_job(["-np", "3", "--straggler-report", "1"], ["straggler"], marker,
-                   env={"FAULT_STEPS": "25", "FAULT_SLEEP": "0.1",
-                        "HOROVOD_CACHE_CAPACITY": "0"})
+                   env={"FAULT_STEPS": "25", "FAULT_SLEEP": "0.1"})
     assert proc.returncode == 0, proc.stderr
-    reports = re.findall(r"straggler report .*: rank 0 ([\d.]+), rank 1 ([\d.]+), rank 2 "
-                         r"([\d.]+); slowest: rank (\d)", proc.stderr)
+    reports = re.findall(r"straggler report \(last 1 s, >= (\d+) submissions per rank;.*: "
+                         r"rank 0 ([\d.]+), rank 1 ([\d.]+), rank 2 ([\d.]+); slowest: rank "
+                         r"(\d)", proc.stderr)
     assert reports, proc.stderr
-    r0, r1, r2, slowest = reports[-1]
+    count, r0, r1, r2, slowest = reports[-1]
+    # About 10 steps a second; the coordinator saw 1 (the first negotiation).
+    assert int(count) >= 5, proc.stderr
     assert slowest == "1" and float(r1) > 3.0
     assert sorted([float(r0), float(r1), float(r2)])[1] == 1.0  # the median rank is 1.00
 
@@ -381,13 +384,20 @@ def test_channel_on_a_drained_nonblocking_socket_reads_nothing_and_stays_open():
 def test_straggler_tracker_ratios_against_the_median_rank():
     from hvdlite.common.straggler import Tracker
 
-    t = Tracker(3, 1.0, {1: "slowhost"}, now=0.0)
+    from hvdlite.common.straggler import Pace
+
+    paces = [Pace() for _ in range(3)]
     for step in range(10):
         base = step * 1.0
-        t.released([0, 1, 2], base)
-        t.submitted(0, base + 0.010)
-        t.submitted(2, base + 0.012)
-        t.submitted(1, base + 0.100)
+        for r, gap in ((0, 0.010), (2, 0.012), (1, 0.100)):
+            paces[r].done(base)
+            paces[r].submitted(base + gap)
+            paces[r].submitted(base + gap + 0.001)      # a second submission: no new gap
+    t = Tracker(3, 1.0, {1: "slowhost"}, now=0.0)
+    assert t.relative() is None
+    for r, p in enumerate(paces):
+        t.add(r, *p.take())
+        assert p.take() == (0.0, 0)
     rel = t.relative()
     assert rel[0] < 1.0 and rel[2] == 1.0 and 8 < rel[1] < 9
     text = t.maybe_report(1.5, stream=open(os.devnull, "w"))

@@ -436,8 +436,6 @@ class Coordinator:
                 pass
 
     def _flush(self, out: dict) -> None:
-        if self.straggler is not None and out:
-            self.straggler.released(out.keys(), time.monotonic())
         for rank, items in out.items():
             peer = self.peers.get(rank)
             if peer is None or not items:
@@ -457,8 +455,6 @@ class Coordinator:
             tags = msg[3] if len(msg) > 3 else {}
             now = time.monotonic()
             self._last_seen[rank] = (now, requests, hits)
-            if self.straggler is not None:
-                self.straggler.submitted(rank, now)
             ready: list[tuple[SetState, Response]] = []
             bounced: dict[int, tuple[list, list]] = {}
             for req in requests:
@@ -497,6 +493,9 @@ class Coordinator:
             self._on_shutdown(rank, out, rounds)
         elif kind == Msg.FAILED:
             self._stop_with(f"rank {rank} failed while running a collective: {msg[1]}", out)
+        elif kind == Msg.PACE:
+            if self.straggler is not None:
+                self.straggler.add(rank, msg[1], msg[2])
         elif kind == Msg.TIMELINE:
             if self.timeline is not None:
                 self.timeline.control(*msg[1:])

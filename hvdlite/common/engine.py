@@ -46,7 +46,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import collectives, interrupts, rendezvous
+from . import collectives, interrupts, rendezvous, straggler
 from .exceptions import HorovodInternalError, HorovodMismatchError
 from .flight_recorder import RECORDER, dump, dump_async
 from .backends.base import DONE
@@ -379,6 +379,9 @@ class Engine:
         self._wait_marks: collections.deque = collections.deque()  # _submitted at each wait
         self._observed_seq = 0            # seq of the last entry the planner saw
         self._report_after = max(0.05, min(1.0, settings.stall_warning_s / 4))
+        # This rank's time to submit, for the straggler report (straggler.Pace; fed by ops).
+        self.pace = straggler.Pace() if size > 1 and straggler.interval_from_env() > 0 \
+            else None
         self.counters = {"coordinator_messages": 0, "coordinator_tensors": 0,
                          "steady_entered": 0, "steady_rounds": 0, "steady_released": 0,
                          "steady_groups": 0,
@@ -1324,6 +1327,10 @@ class Engine:
             return False
         if kind == Msg.DUMP:
             dump_async(msg[1])  # the coordinator saw a stall: flight-recorder dump
+        elif kind == Msg.HEARTBEAT and self.pace is not None:
+            total, count = self.pace.take()
+            if count:
+                self._send_coordinator((Msg.PACE, total, count))
         return True
 
     # ------------------------------------------------------------------ steady state

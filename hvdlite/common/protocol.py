@@ -9,6 +9,7 @@
      |-- FAILED message / SHUTDOWN ----------------->|
      |<------------------------------- FATAL message |     every pending handle fails
      |<-------------------------- DUMP / HEARTBEAT --|     a stall was seen / once a second
+     |-- PACE seconds, count ----------------------->|     straggler report (straggler.py)
      |-- STEADY_LEFT / STEADY_WAIT ----------------->|     steady state (steady.py)
 
     rank i <-> rank j (direct connections, steady state only): PEER_HELLO, then ROUND frames.
@@ -47,6 +48,8 @@ class Msg(_Tag):
     HEARTBEAT = "K"      # coordinator -> rank: ("K",) once a second, so a rank can tell a quiet
     #                      coordinator from a hung rank 0
     TIMELINE = "TL"      # rank -> coordinator: ("TL", *args) timeline control on rank 0
+    PACE = "A"           # rank -> coordinator: ("A", seconds, count) its time to submit since
+    #                      the last one, answering a HEARTBEAT (straggler report only)
     # The steady state (steady.py documents the protocol):
     STEADY_LEFT = "U"    # rank -> coordinator: ("U", set_id, epoch) fell back to negotiation
     STEADY_WAIT = "W"    # rank -> coordinator: ("W", set_id, epoch, names, waited_s) waits long
