@@ -324,6 +324,16 @@ class BestModelCheckpointLogic:
 
     def __init__(self, monitor="val_loss", verbose=0, save_weights_only=False, mode="auto",
                  save_freq="epoch", filepath=None):
+        if isinstance(save_weights_only, str) and save_weights_only in ("auto", "min", "max"):
+            # horovod.keras's order, (monitor, verbose, mode, save_freq), which has no
+            # save_weights_only (horovod.tensorflow.keras's, this one, has): a mode passed
+            # third would have made every save a weights-only one in the default mode.
+            if mode != "auto":
+                save_freq = mode
+            save_weights_only, mode = False, save_weights_only
+        elif not isinstance(save_weights_only, bool):
+            raise ValueError(f"BestModelCheckpoint: save_weights_only must be True or False, "
+                             f"got {save_weights_only!r}")
         super().__init__(filepath=filepath or self._placeholder(save_weights_only),
                          monitor=monitor, verbose=verbose, save_best_only=True,
                          save_weights_only=save_weights_only, mode=mode, save_freq=save_freq)

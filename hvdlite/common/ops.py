@@ -611,6 +611,16 @@ def _pickle(obj) -> Buffer:
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
+def _pickled(obj, kind: str, name: str, process_set) -> Buffer:
+    """`obj` pickled for an object collective; where it cannot be (a lock, a socket, an open
+    file), the error reaches the other ranks first (refuse), who waited for its length until
+    the stall shutdown."""
+    try:
+        return _pickle(obj)
+    except Exception as exc:
+        refuse(kind, [name + ".sz"], exc, process_set=process_set)
+
+
 def _unpickle(data: bytes):
     import cloudpickle
     return cloudpickle.load(io.BytesIO(data))
@@ -625,7 +635,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     type). Two broadcasts: the length (cached), then the bytes."""
     name = name or "broadcast_object"
     is_root = _state().rank == int(root_rank)
-    payload = _pickle(obj) if is_root else None
+    payload = _pickled(obj, "broadcast", name, process_set) if is_root else None
     size = torch.tensor([payload.numel() if is_root else 0], dtype=torch.int64)
     broadcast([size], root_rank, names=name + ".sz", process_set=process_set,
               outputs=[size]).wait()
@@ -641,7 +651,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
 def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> list:
     """Pickle `obj` on every rank of the set; return all of them, in set-rank order."""
     name = name or "allgather_object"
-    payload = _pickle(obj)
+    payload = _pickled(obj, "allgather", name, process_set)
     size = torch.tensor([payload.numel()], dtype=torch.int64)
     (sizes,) = allgather([size], names=name + ".sz", process_set=process_set).wait()
     (data,) = allgather([payload], names=name + ".t", process_set=process_set,

@@ -299,6 +299,16 @@ def check_api():
                  "BestModelCheckpoint"):
         if not hasattr(hvd.callbacks, name):
             raise AssertionError(f"hvdlite.keras.callbacks lacks {name}")
+    # horovod.keras's BestModelCheckpoint(monitor, verbose, mode, save_freq) has no
+    # save_weights_only (horovod.tensorflow.keras's has it third): both orders work.
+    cb = hvd.callbacks.BestModelCheckpoint("loss", 0, "max", 3)
+    got = (cb.monitor, cb.mode, cb.save_freq, cb.save_weights_only)
+    if got != ("loss", "max", 3, False):
+        raise AssertionError(f"BestModelCheckpoint in horovod.keras's order: {got}")
+    cb = hvd.callbacks.BestModelCheckpoint("loss", 0, True, "min")
+    if (cb.mode, cb.save_weights_only) != ("min", True):
+        raise AssertionError(f"BestModelCheckpoint in horovod.tensorflow.keras's order: "
+                             f"{(cb.mode, cb.save_weights_only)}")
     if not hasattr(hvd.elastic, "KerasState") or not hasattr(hvd.elastic, "run"):
         raise AssertionError("hvdlite.keras.elastic lacks KerasState/run")
     import inspect

@@ -13,7 +13,7 @@ import torch
 
 import hvdlite.torch as hvd
 from ops_common import (ALL_DTYPES, REDUCE_OPS, SHAPES, all_inputs, check, expect_raises,
-                        finish, gen, log, my_rows, no_threads_left, reduce_ref, same,
+                        fail, finish, gen, log, my_rows, no_threads_left, reduce_ref, same,
                         wait_until)
 
 TMP = sys.argv[1]
@@ -475,10 +475,28 @@ def errors():
         else:
             expect_raises(hvd.HorovodInternalError, fn, f"{what} when rank {size - 1} refused it",
                           match=[f"invalid arguments on rank {size - 1}", reason])
+    # An object that cannot be pickled (a lock) on the root of broadcast_object, or on one rank
+    # of allgather_object: the others learn why at once.
+    import threading
+    objects = {
+        "broadcast_object": lambda: hvd.broadcast_object(
+            threading.Lock() if odd else None, root_rank=size - 1, name="onerank.obj"),
+        "allgather_object": lambda: hvd.allgather_object(
+            threading.Lock() if odd else rank, name="onerank.objs"),
+    }
+    for what, fn in objects.items():
+        if odd:
+            expect_raises(TypeError, fn, f"{what} of a lock on rank {rank}", match="pickle")
+        else:
+            expect_raises(hvd.HorovodInternalError, fn, f"{what} when rank {size - 1} could "
+                          f"not pickle", match=[f"invalid arguments on rank {size - 1}",
+                                                "pickle"])
     same(hvd.allreduce(torch.ones(3), name="onerank.ar", op=hvd.Sum),
          torch.full((3,), float(size)), "'onerank.ar' used alike afterwards")
     same(hvd.allgather(torch.ones(1), name="onerank.ag0"), torch.ones(size),
          "'onerank.ag0' used alike afterwards")
+    if hvd.allgather_object(rank, name="onerank.objs") != list(range(size)):
+        fail("allgather_object after the refusal")
 
     # Duplicate name while the first one is in flight.
     x = torch.ones(5) * (rank + 1)
