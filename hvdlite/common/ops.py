@@ -134,7 +134,13 @@ def set_ranks(process_set: Union[ProcessSet, int, None]) -> list:
 
 
 def dtype_name(buffer: Buffer, reduce: bool = False) -> str:
-    """The engine's name for a buffer's dtype; ValueError (Horovod's message) if unsupported."""
+    """The engine's name for a buffer's dtype; ValueError (Horovod's message) if unsupported,
+    or if the buffer is not dense (a sparse tensor: its layout holds no flat data to move)."""
+    if buffer.layout is not torch.strided:
+        raise ValueError(f"Tensor layout {str(buffer.layout).replace('torch.', '')} is not "
+                         f"supported: collectives take dense tensors. For a sparse gradient "
+                         f"use sparse_allreduce_async, or DistributedOptimizer(..., "
+                         f"sparse_as_dense=True); else pass tensor.to_dense().")
     name = DTYPE_NAMES.get(buffer.dtype)
     if name is None or (reduce and name not in REDUCIBLE):
         raise ValueError(f"Tensor type {buffer.type()} is not supported"
@@ -282,7 +288,8 @@ def _refuse(reqs: list, buffers: Sequence[Buffer], exc: Exception):
     so that no member waits for the others. Waited for, so that the names are free again
     when `exc` comes out."""
     try:
-        _submit([Entry(r, _contiguous(b)) for r, b in zip(reqs, buffers)]).wait()
+        _submit([Entry(r, _contiguous(b) if b.layout is torch.strided else torch.empty(0))
+                 for r, b in zip(reqs, buffers)]).wait()
     except Exception:
         pass
     raise exc
@@ -293,6 +300,15 @@ def blocking_name(kind: str, name: Optional[str], process_set=None) -> naming.bl
     collective (its public function, before autograd): `name` as given, or for an unnamed call
     its line, so the response cache and the steady state serve it (naming.blocking_name)."""
     return naming.blocking_name(kind, name, set_id(process_set))
+
+
+def output_like(b: Buffer) -> Buffer:
+    """A contiguous output buffer shaped like `b`; for a buffer with no dense layout (a sparse
+    tensor) an empty placeholder, since the call is refused before it is used (dtype_name)."""
+    try:
+        return torch.empty_like(b, memory_format=torch.contiguous_format)
+    except RuntimeError:
+        return torch.empty(0, dtype=b.dtype)
 
 
 def _contiguous(b: Buffer) -> Buffer:
@@ -346,7 +362,7 @@ def allreduce(buffers: Sequence[Buffer], *, names: Names = None, op: int = AVERA
                          reduce=True, reduce_op=op, prescale=float(prescale),
                          postscale=float(postscale))
     if outputs is None:
-        outputs = [torch.empty_like(b, memory_format=torch.contiguous_format) for b in buffers]
+        outputs = [output_like(b) for b in buffers]
     entries = [Entry(r, _contiguous(b), o) for r, b, o in zip(reqs, buffers, outputs)]
     engine = _state().engine
     if len(entries) == 1 and len(engine.set_ranks.get(reqs[0].process_set_id, ())) == 1:
@@ -528,7 +544,7 @@ def broadcast(buffers: Sequence[Buffer], root_rank: int, *, names: Names = None,
     reqs = _requests("broadcast", BROADCAST, buffers, names, process_set, group, cacheable,
                      root_rank=int(root_rank))
     if outputs is None:
-        outputs = [torch.empty_like(b, memory_format=torch.contiguous_format) for b in buffers]
+        outputs = [output_like(b) for b in buffers]
     return _submit([Entry(r, _contiguous(b), o) for r, b, o in zip(reqs, buffers, outputs)])
 
 
@@ -664,7 +680,7 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> 
     return out
 
 
-__all__ = ["Buffer", "Handle", "allreduce", "allreduce_now", "allgather", "broadcast",
-           "reducescatter", "alltoall", "join", "barrier", "broadcast_object", "allgather_object",
+__all__ = ["Buffer", "Handle", "output_like", "allreduce", "allreduce_now", "allgather",
+           "broadcast", "reducescatter", "alltoall", "join", "barrier", "broadcast_object", "allgather_object",
            "set_id", "set_ranks", "dtype_name", "check_reduce_op", "resolve_names",
            "AVERAGE", "SUM", "ADASUM", "MIN", "MAX", "PRODUCT"]

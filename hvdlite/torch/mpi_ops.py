@@ -85,7 +85,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
                     postscale_factor=1.0, process_set=global_process_set) -> int:
     """Asynchronous average/sum of `tensor` over all ranks; the input is not modified."""
     op = handle_average_backwards_compatibility(op, average)
-    out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    out = _ops.output_like(tensor)
     return _allreduce_async([tensor], [out], name, op, prescale_factor, postscale_factor,
                             process_set, grouped=False)
 
@@ -94,7 +94,7 @@ def _allreduce_now(tensor, average, name, op, prescale_factor, postscale_factor,
     """A blocking out-of-place allreduce (the op layer's allreduce_now: no handle, and the
     whole call on this thread when the steady state allows)."""
     op = handle_average_backwards_compatibility(op, average)
-    out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    out = _ops.output_like(tensor)
     return _ops.allreduce_now(tensor, out, name=name, op=op, prescale=prescale_factor,
                               postscale=postscale_factor, process_set=process_set)
 
@@ -173,7 +173,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
                             postscale_factor=1.0, process_set=global_process_set) -> int:
     """Asynchronous allreduce of a list of tensors, released (and fused) together."""
     op = handle_average_backwards_compatibility(op, average)
-    outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    outs = [_ops.output_like(t) for t in tensors]
     return _allreduce_async(list(tensors), outs, name, op, prescale_factor, postscale_factor,
                             process_set, grouped=True)
 
@@ -186,7 +186,7 @@ def _grouped_now(tensors: list, outputs, average, name, op, prescale_factor, pos
     as the caller never sees one."""
     op = handle_average_backwards_compatibility(op, average)
     if outputs is None:
-        outputs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+        outputs = [_ops.output_like(t) for t in tensors]
     return _ops.allreduce(tensors, names=name, op=op, prescale=prescale_factor,
                           postscale=postscale_factor, process_set=process_set, group=True,
                           outputs=outputs, blocking=True).wait()
@@ -342,7 +342,7 @@ def _broadcast_async(tensor, output, root_rank, name, process_set) -> int:
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
     """Asynchronous broadcast from `root_rank` (a global rank); the input is not modified."""
-    out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    out = _ops.output_like(tensor)
     return _broadcast_async(tensor, out, root_rank, name, process_set)
 
 

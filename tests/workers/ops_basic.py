@@ -465,6 +465,15 @@ def errors():
                                       "at least one dimension"),
         "alltoall of a scalar": (lambda: hvd.alltoall(scalar(), name="onerank.a2a0"),
                                  "at least one dimension"),
+        "allreduce of a sparse tensor": (lambda: hvd.allreduce(
+            torch.ones(2).to_sparse() if odd else torch.ones(2), name="onerank.sparse"),
+            "layout sparse_coo is not supported"),
+        "unnamed broadcast of a sparse tensor": (lambda: hvd.broadcast(
+            torch.ones(2).to_sparse() if odd else torch.ones(2), 0),
+            "layout sparse_coo is not supported"),
+        "allgather of a sparse tensor": (lambda: hvd.allgather(
+            torch.ones(2).to_sparse() if odd else torch.ones(2), name="onerank.sparse_ag"),
+            "layout sparse_coo is not supported"),
         "allreduce with an unknown op": (lambda: hvd.allreduce(
             torch.ones(2), name="onerank.op", op=42 if odd else hvd.Sum),
             "unknown reduction op"),
