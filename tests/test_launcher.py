@@ -535,12 +535,17 @@ def test_run_propagates_a_rank_exception():
 
 @pytest.mark.timeout(30)
 def test_run_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="must be >= 1"):
+    # The messages name run()'s parameters, not hvdlite-run's flags.
+    with pytest.raises(ValueError, match="^num_proc: must be >= 1, got 0$"):
         run(print, num_proc=0)
-    with pytest.raises(ValueError, match="only 1 slots"):
+    with pytest.raises(ValueError, match="^num_proc=2 but the hosts give only 1 slots"):
         run(print, num_proc=2, hosts="localhost:1")
-    with pytest.raises(ValueError, match="4 is larger than --max-np 2"):
+    with pytest.raises(ValueError, match="^min_num_proc: 4 is larger than max_num_proc=2$"):
         run(print, min_num_proc=4, max_num_proc=2)
+    with pytest.raises(ValueError, match="^host_discovery_script: not allowed with hosts$"):
+        run(print, min_num_proc=1, hosts="localhost:1", host_discovery_script="x")
+    with pytest.raises(ValueError, match=r"^cooldown_range: expected 0 <= MIN <= MAX"):
+        run(print, min_num_proc=1, cooldown_range=[5, 2])
     with pytest.raises(ValueError, match="ssh_port cannot be used with use_mpi=True"):
         run(print, num_proc=1, use_mpi=True, ssh_port=22)
     with pytest.raises(ValueError, match="use_mpi cannot run elastic jobs"):

@@ -31,6 +31,34 @@ def _nic_list(*values: Union[None, str, Iterable[str]]) -> Optional[list[str]]:
     return nics or None
 
 
+# hvdlite-run's flags in the messages check_args shares with the launcher, and the parameter
+# of run() each stands for: a caller of run() typed no flag.
+_PARAMS = (
+    ("-np/--num-proc", "num_proc"), ("--min-np/--min-num-proc", "min_num_proc"),
+    ("--max-np/--max-num-proc", "max_num_proc"), ("--slots-per-host", "slots"),
+    ("--reset-limit", "reset_limit"), ("--blacklist-cooldown-range", "cooldown_range"),
+    ("-H/--hosts", "hosts"), ("-hostfile/--hostfile", "hostfile"),
+    ("--host-discovery-script", "host_discovery_script"), ("--start-timeout", "start_timeout"),
+    ("-p/--ssh-port", "ssh_port"), ("-i/--ssh-identity-file", "ssh_identity_file"),
+    ("--network-interfaces", "network_interfaces"), ("--output-filename", "output_filename"),
+    ("--gloo", "use_gloo"), ("--mpi", "use_mpi"),
+)
+
+
+def _api_message(text: str) -> str:
+    """A check_args message in run()'s terms: "argument -np/--num-proc: ..." becomes
+    "num_proc: ...", and "--max-np 2" becomes "max_num_proc=2"."""
+    import re
+
+    for flags, param in _PARAMS:
+        names = sorted(set(flags.split("/")) | {flags}, key=len, reverse=True)
+        alt = "|".join(re.escape(n) for n in names)
+        text = re.sub(rf"argument (?:{alt})(?![\w-])", param, text)
+        text = re.sub(rf"(?<![\w-])(?:{alt}) (\d+)", rf"{param}=\1", text)
+        text = re.sub(rf"(?<![\w-])(?:{alt})(?![\w-])", param, text)
+    return text
+
+
 def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dict] = None,
         num_proc: Optional[int] = None, min_num_proc: Optional[int] = None,
         max_num_proc: Optional[int] = None, slots: Optional[int] = None,
@@ -89,7 +117,7 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Optional[dic
     try:
         check_args(hargs, need_command=False)
     except UsageError as e:
-        raise ValueError(str(e)) from None
+        raise ValueError(_api_message(str(e))) from None
     if hargs.use_mpi:
         if hargs.elastic:
             raise ValueError("use_mpi cannot run elastic jobs (Horovod's elastic mode needs "
