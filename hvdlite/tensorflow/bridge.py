@@ -374,9 +374,9 @@ def _rt_allgather(xs, names, set_id, cacheable, group=None) -> list:
                                     group=group, cacheable=cacheable))
 
 
-def _rt_broadcast(xs, names, root_rank, set_id, cacheable) -> list:
+def _rt_broadcast(xs, names, root_rank, set_id, cacheable, group=None) -> list:
     return _wait_tf(_cops.broadcast([_to_torch(x) for x in xs], root_rank, names=names,
-                                    process_set=set_id, cacheable=cacheable))
+                                    process_set=set_id, group=group, cacheable=cacheable))
 
 
 def _rt_reducescatter(xs, names, op, pre, post, set_id, cacheable, group=None) -> list:

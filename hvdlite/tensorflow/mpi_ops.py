@@ -314,12 +314,14 @@ def broadcast_group(tensors, root_rank, name=None, process_set=global_process_se
     _check_graph("hvd.broadcast_variables")
     with wire_name(kind, name, ignore_name_scope, set_id) as (wire, cacheable):
         names = _member_names(wire, len(tensors))
-        with refusing("broadcast", names, set_id):
+        with refusing("broadcast", names, set_id, wire):
             moved = [_movable(t, "broadcast") for t in tensors]
         root = int(root_rank)
 
         def fn(*xs):
-            return _rt_broadcast(list(xs), names, root, set_id, cacheable)
+            # Grouped: ranks that pass different numbers of variables (models that differ)
+            # fail at once with both counts, instead of waiting for names never sent.
+            return _rt_broadcast(list(xs), names, root, set_id, cacheable, group=wire)
 
         xs = [m[0] for m in moved]
         outs = _run("HorovodBroadcastGroup", fn, xs, [x.dtype for x in xs], [x.shape for x in xs])

@@ -8,8 +8,7 @@ from collections.abc import Iterable
 import torch
 
 from ..common import ops as _ops
-from .mpi_ops import (allgather, broadcast_, broadcast_async_, global_process_set,
-                      synchronize)
+from .mpi_ops import _check_inplace, allgather, broadcast_, global_process_set  # noqa: F401
 
 
 def broadcast_parameters(params, root_rank, prefix=None):
@@ -30,13 +29,22 @@ def broadcast_parameters(params, root_rank, prefix=None):
     else:
         raise ValueError("invalid params of type: %s" % type(params))
 
-    handles = []
+    tensors, names = [], []
     for i, (name, p) in enumerate(params):
         if prefix is not None:
             name = f"{prefix}{name if name is not None else f'noname.{i}'}"
-        handles.append(broadcast_async_(p, root_rank, name))
-    for handle in handles:
-        synchronize(handle)
+        _check_inplace(p)
+        tensors.append(p.detach())
+        names.append(name)
+    if not tensors:
+        return
+    # One grouped broadcast, each tensor under its name: ranks whose models differ (a layer
+    # more on one rank) fail at once, on every rank, with both tensor counts (the group's size
+    # is checked across ranks), instead of waiting for names the others never send until the
+    # stall shutdown. In place: each tensor is its own output.
+    _ops.broadcast(tensors, root_rank, names=names if None not in names else None,
+                   group="broadcast_parameters" + (f".{prefix}" if prefix else ""),
+                   outputs=tensors).wait()
 
 
 def broadcast_optimizer_state(optimizer, root_rank, model=None):

@@ -552,6 +552,17 @@ def errors():
         hvd.allreduce(torch.ones(2), op=hvd.Sum, name="mismatch.mix.0") if rank == 0 else
         hvd.grouped_allreduce([torch.ones(2)] * 2, op=hvd.Sum, name="mismatch.mix")),
         "alone on rank 0, grouped elsewhere", match="rank 0 submitted it alone")
+    # Models that differ (a layer more on the last rank): broadcast_parameters fails on every
+    # rank at once with both tensor counts, instead of waiting for the extra layer's names.
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(2 + odd)])
+    expect_raises(hvd.HorovodInternalError,
+                  lambda: hvd.broadcast_parameters(model.state_dict(), root_rank=0),
+                  "broadcast_parameters of different models",
+                  match=["Mismatched grouped BROADCAST", "of 4 tensors", "of 6 tensors"])
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(2)])
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for k, v in model.state_dict().items():
+        same(v, hvd.broadcast(v, 0, name=f"check.{k}"), f"{k} broadcast from rank 0")
     for y in hvd.grouped_allreduce([torch.ones(2)] * 3, op=hvd.Sum, name="mismatch.group"):
         same(y, torch.full((2,), float(size)), "the group used alike after the mismatches")
     same(hvd.allreduce(torch.ones(3), op=hvd.Sum, name="after.mismatch"),

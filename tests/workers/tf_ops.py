@@ -823,6 +823,11 @@ def check_one_rank_errors():
         else:
             expect_raises(Exception, fn, f"{what}, when rank {SIZE - 1} refused it",
                           [f"invalid arguments on rank {SIZE - 1}", reason])
+    # Models that differ (a variable more on the last rank): every rank fails at once.
+    vs = [tf.Variable(tf.ones(2)) for _ in range(2 + odd)]
+    expect_raises(Exception, lambda: hvd.broadcast_variables(vs, 0),
+                  "broadcast_variables of different models",
+                  ["Mismatched grouped BROADCAST", "of 2 tensors", "of 3 tensors"])
     same(hvd.allreduce(tf.ones(3), name="onerank.ar", op=hvd.Sum), np.full(3, SIZE, np.float32),
          "'onerank.ar' used alike afterwards")
     same(hvd.allgather(tf.ones((1,)), name="onerank.ag"), np.ones(SIZE, np.float32),
