@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from .. import torch as _hvd
+from ..common import ops as _cops
 from ..common.fusion import group_positions, resolve_groups
 from ..common.messages import handle_average_backwards_compatibility
 from ..torch import (Adasum, Average, Compression, HorovodInternalError,  # noqa: F401
@@ -240,10 +241,12 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set):
         return
     values = [v.value.detach() if isinstance(v.value, torch.Tensor) else _as_torch(v.value)
               for v in variables]
-    handles = [_hvd.broadcast_async(t.contiguous(), root_rank, name=f"keras.bcast.{i}",
-                                    process_set=process_set) for i, t in enumerate(values)]
-    for v, h in zip(variables, handles):
-        v.assign(_hvd.synchronize(h))
+    # One grouped broadcast: ranks whose models differ fail at once with both counts.
+    results = _cops.broadcast([t.contiguous() for t in values], root_rank,
+                              names=[f"keras.bcast.{i}" for i in range(len(values))],
+                              process_set=process_set, group="keras.bcast").wait()
+    for v, r in zip(variables, results):
+        v.assign(r)
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None,
