@@ -6,6 +6,7 @@ the error says so). Either way rank 0 must raise the shutdown error at once, nev
 wait: with the wait, the hit reaches the coordinator in full negotiation; without it, it may
 still sit in a steady round (on MPI: a transport round) when the member leaves.
 """
+import atexit
 import sys
 import time
 
@@ -14,6 +15,12 @@ import torch
 import hvdlite.torch as hvd
 from hvdlite.common import basics
 
+# Registered before init(), so it runs after hvdlite's own exit handler (which sends the
+# crash's reason): the crashed rank lingers, so the launcher, which stops every rank once one
+# exits with an error, does not stop rank 0 before it has raised (1 run in 4 did).
+_linger: list = []
+atexit.register(lambda: _linger and time.sleep(_linger[0]))
+
 hvd.init()
 r = hvd.rank()
 for step in range(6):
@@ -21,6 +28,7 @@ for step in range(6):
 assert basics.engine_counters()["steady_entered"] >= 1, basics.engine_counters()
 if r == 1:
     if sys.argv[2:] == ["raise"]:          # a crash: the atexit shutdown says why
+        _linger.append(3.0)
         raise RuntimeError("rank 1 crashed in its step")
     hvd.shutdown()
     sys.exit(0)
