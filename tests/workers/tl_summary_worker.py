@@ -13,8 +13,10 @@ for step in range(4):
           for i in range(3)]
     for h in hs:
         hvd.synchronize(h)
+# The straggler: everyone waits for rank 1 on this tensor, long enough that negotiation
+# outweighs the queueing a loaded machine adds to the first steps (a few hundred ms).
 if rank == 1:
-    time.sleep(0.4)          # the straggler: everyone waits for rank 1 on this tensor
+    time.sleep(1.2)
 hvd.allreduce(torch.ones(10), name="late.grad")
 hvd.allreduce(torch.randn(64), name="ada.grad", op=hvd.Adasum)
 hvd.broadcast(torch.ones(3), root_rank=0, name="bcast.w")
