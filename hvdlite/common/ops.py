@@ -129,7 +129,9 @@ def set_id(process_set: Union[ProcessSet, int, None]) -> int:
 
 
 def set_ranks(process_set: Union[ProcessSet, int, None]) -> list:
-    """The global ranks of a registered process set."""
+    """The global ranks of a registered process set (before init NotInitializedError, the
+    error every collective raises then)."""
+    _state()
     return _basics._set_ranks(set_id(process_set))
 
 
@@ -203,8 +205,11 @@ def _group(group, base: str, n: int) -> tuple[Optional[str], int]:
     return (base if group is True else str(group)), n
 
 
-def _requests(kind: str, rtype: int, buffers: Sequence[Buffer], names: Names, process_set,
-              group, cacheable: Optional[bool], reduce: bool = False, **kw) -> list[Request]:
+def _requests(kind: str, buffers: Sequence[Buffer], names: Names, process_set, group,
+              cacheable: Optional[bool], reduce: bool = False, **kw) -> list[Request]:
+    """The requests of a `kind` call ("allreduce", ..., _KIND_TYPES); an argument error that
+    a buffer's checks find (an unsupported dtype, a sparse tensor) is refused (refuse)."""
+    rtype = _KIND_TYPES[kind]
     sid = set_id(process_set)
     n = len(buffers)
     wire, base = resolve_names(kind, names, n, sid, group)
@@ -216,26 +221,19 @@ def _requests(kind: str, rtype: int, buffers: Sequence[Buffer], names: Names, pr
                          group_size=gsize, **kw)
                 for b, nm in zip(buffers, wire)]
     except ValueError as exc:
-        _refuse([_request(me, nm, rtype, b, sid, reduce, invalid=str(exc), cacheable=False,
-                          group=gname, group_size=gsize, **kw)
-                 for b, nm in zip(buffers, wire)], buffers, exc)
+        refuse(kind, wire, exc, process_set=sid, group=gname)
 
 
-def _refuse_call(kind: str, rtype: int, buffers: Sequence[Buffer], names: Names, process_set,
-                 group, exc: Exception):
+def _refuse_call(kind: str, buffers: Sequence[Buffer], names: Names, process_set, group,
+                 exc: Exception):
     """Raise `exc`, an argument error found before a call's requests exist (an op the
-    collective does not take, a scalar where a dimension is needed), once the other ranks were
-    told about every name the call would have used (_refuse). Before init there is nobody
-    to tell: `exc` as it is."""
+    collective does not take, a scalar where a dimension is needed, bad alltoall splits),
+    once the other ranks were told about every name the call would have used (refuse)."""
     if _basics._state is None:
         raise exc
     sid = set_id(process_set)
     wire, base = resolve_names(kind, names, len(buffers), sid, group)
-    gname, gsize = _group(group, base, len(buffers))
-    me = _state().rank
-    _refuse([_request(me, nm, rtype, b, sid, False, invalid=str(exc), cacheable=False,
-                      group=gname, group_size=gsize) for b, nm in zip(buffers, wire)],
-            buffers, exc)
+    refuse(kind, wire, exc, process_set=sid, group=_group(group, base, len(buffers))[0])
 
 
 _KIND_TYPES = {"allreduce": ALLREDUCE, "allgather": ALLGATHER, "broadcast": BROADCAST,
@@ -244,14 +242,20 @@ _KIND_TYPES = {"allreduce": ALLREDUCE, "allgather": ALLGATHER, "broadcast": BROA
 
 def refuse(kind: str, names: Sequence[str], exc: Exception, *, process_set=None,
            group: Optional[str] = None):
-    """Raise `exc`, a frontend's argument error for the collective `kind` ("allreduce",
-    "allgather", "broadcast", "reducescatter" or "alltoall") whose wire names are `names`,
-    once the other ranks were told (_refuse), as for the errors this layer finds itself.
+    """Raise `exc`, this rank's argument error for the collective `kind` ("allreduce",
+    "allgather", "broadcast", "reducescatter" or "alltoall") whose wire names are `names`, as
+    Horovod's enqueue does, but tell the other ranks first. The one place every argument
+    error of a collective goes through: this layer's own (an unsupported dtype, bad alltoall
+    splits, an op the collective does not take) and a frontend's, found before its tensors
+    became buffers (a TensorFlow string tensor, a scalar where a dimension is needed).
 
-    For errors found before the tensors became buffers: a TensorFlow dtype the engine cannot
-    carry (a string tensor), a scalar where a dimension is needed. Raised alone, such an error
-    left the peers waiting for these names until the stall shutdown (600 s by default).
-    `group`: the call's group name when it is grouped (its members are refused together).
+    Why: the other ranks have submitted, or will submit, the same names, and waited for them
+    until the stall shutdown (600 s by default), whose report then named this rank as hung.
+    Each name goes out as a request that carries only the error (`invalid`, with an empty
+    placeholder: nothing is moved); the coordinator turns it into an error that names the
+    tensor, this rank and `exc` on every rank (negotiation.construct_response). `group`: the
+    call's group name when it is grouped, so that its members are refused together and none
+    waits for the others. Waited for, so that the names are free again when `exc` comes out.
     Before init there is nobody to tell: `exc` as it is."""
     if _basics._state is None:
         raise exc
@@ -261,38 +265,22 @@ def refuse(kind: str, names: Sequence[str], exc: Exception, *, process_set=None,
     gname, gsize = (str(group), len(names)) if group and len(names) > 1 else (None, 0)
     me = _state().rank
     placeholder = torch.empty(0, dtype=torch.uint8)
-    _refuse([Request(rank=me, name=nm, type=rtype, dtype="uint8", shape=(0,),
-                     process_set_id=sid, invalid=str(exc), cacheable=False, group=gname,
-                     group_size=gsize) for nm in names],
-            [placeholder] * len(names), exc)
-
-
-def _request(me: int, name: str, rtype: int, b: Buffer, sid: int, reduce: bool,
-             invalid: Optional[str] = None, **kw) -> Request:
-    """One buffer's request (what every rank validates against the others'); with `invalid`
-    (this rank's argument error), one that only carries it, whatever the buffer's dtype."""
-    dtype = dtype_name(b, reduce) if invalid is None else str(b.dtype).replace("torch.", "")
-    return Request(rank=me, name=name, type=rtype, dtype=dtype, shape=tuple(b.shape),
-                   device=b.get_device() if b.is_cuda else -1, process_set_id=sid,
-                   invalid=invalid, **kw)
-
-
-def _refuse(reqs: list, buffers: Sequence[Buffer], exc: Exception):
-    """Raise `exc`, this rank's argument error for a collective (an unsupported dtype, bad
-    alltoall splits), as Horovod's enqueue does, but tell the other ranks first.
-
-    Why: they have submitted, or will submit, the same names, and waited for them until the
-    stall shutdown time (600 s by default), whose report then named this rank as hung. The
-    coordinator turns `invalid` into an error that names the tensor, this rank and `exc` on
-    every rank (negotiation.construct_response); a grouped call's members are all refused,
-    so that no member waits for the others. Waited for, so that the names are free again
-    when `exc` comes out."""
     try:
-        _submit([Entry(r, _contiguous(b) if b.layout is torch.strided else torch.empty(0))
-                 for r, b in zip(reqs, buffers)]).wait()
+        _submit([Entry(Request(rank=me, name=nm, type=rtype, dtype="uint8", shape=(0,),
+                               process_set_id=sid, invalid=str(exc), cacheable=False,
+                               group=gname, group_size=gsize), placeholder)
+                 for nm in names]).wait()
     except Exception:
         pass
     raise exc
+
+
+def _request(me: int, name: str, rtype: int, b: Buffer, sid: int, reduce: bool,
+             **kw) -> Request:
+    """One buffer's request: what every rank validates against the others'."""
+    return Request(rank=me, name=name, type=rtype, dtype=dtype_name(b, reduce),
+                   shape=tuple(b.shape), device=b.get_device() if b.is_cuda else -1,
+                   process_set_id=sid, **kw)
 
 
 def blocking_name(kind: str, name: Optional[str], process_set=None) -> naming.blocking_name:
@@ -336,7 +324,7 @@ def allreduce(buffers: Sequence[Buffer], *, names: Names = None, op: int = AVERA
     try:
         check_reduce_op(op, process_set, buffers, "allreduce")
     except (ValueError, NotImplementedError, HorovodInternalError) as exc:
-        _refuse_call("allreduce", ALLREDUCE, buffers, names, process_set, group, exc)
+        _refuse_call("allreduce", buffers, names, process_set, group, exc)
     if not group and cacheable is not False and op in REDUCE_OPS and (
             (isinstance(names, str) and len(buffers) == 1)
             or (isinstance(names, (list, tuple)) and len(names) == len(buffers))):
@@ -349,7 +337,7 @@ def allreduce(buffers: Sequence[Buffer], *, names: Names = None, op: int = AVERA
             reqs = [_allreduce_request(state, sid, str(nm), b, op, prescale, postscale)
                     for nm, b in zip(names, buffers)]
         except ValueError as exc:
-            _refuse_allreduces(state, sid, names, buffers, op, prescale, postscale, exc)
+            refuse("allreduce", names, exc, process_set=sid)
     elif group and len(buffers) > 1 and cacheable is not False and op in REDUCE_OPS and (
             isinstance(names, str)
             or (isinstance(names, (list, tuple)) and len(names) == len(buffers))):
@@ -358,7 +346,7 @@ def allreduce(buffers: Sequence[Buffer], *, names: Names = None, op: int = AVERA
         reqs = _grouped_requests(_state(), set_id(process_set), names, group, buffers, op,
                                  prescale, postscale)
     else:
-        reqs = _requests("allreduce", ALLREDUCE, buffers, names, process_set, group, cacheable,
+        reqs = _requests("allreduce", buffers, names, process_set, group, cacheable,
                          reduce=True, reduce_op=op, prescale=float(prescale),
                          postscale=float(postscale))
     if outputs is None:
@@ -458,17 +446,6 @@ def _allreduce_request(state, sid: int, name: str, buffer: Buffer, op: int, pres
     return req
 
 
-def _refuse_allreduces(state, sid: int, names, buffers: list, op: int, prescale: float,
-                       postscale: float, exc: Exception):
-    """Raise `exc`, an argument error of one of these named allreduces, once the other ranks
-    were told about all of them (_refuse): each is its own collective, which they submitted
-    too."""
-    _refuse([_request(state.rank, str(nm), ALLREDUCE, b, sid, True, invalid=str(exc),
-                      cacheable=False, reduce_op=op, prescale=float(prescale),
-                      postscale=float(postscale)) for nm, b in zip(names, buffers)],
-            buffers, exc)
-
-
 def _request_fits(req: Request, buffer: Buffer, op: int, prescale: float,
                   postscale: float) -> bool:
     """Whether a kept allreduce request still describes `buffer` reduced by `op` with these
@@ -491,7 +468,7 @@ def _grouped_requests(state, sid: int, names, group, buffers: list, op: int, pre
     reqs = state.requests.get(key)
     if reqs is None or len(reqs) != len(buffers) or not all(
             _request_fits(req, b, op, prescale, postscale) for req, b in zip(reqs, buffers)):
-        reqs = _requests("allreduce", ALLREDUCE, buffers, names, sid, group, None,
+        reqs = _requests("allreduce", buffers, names, sid, group, None,
                          reduce=True, reduce_op=op, prescale=float(prescale),
                          postscale=float(postscale))
         if len(state.requests) >= _REQUESTS_KEPT:
@@ -507,7 +484,7 @@ def _allreduce_now(buffer: Buffer, output: Buffer, name: Optional[str], op: int,
         try:
             req = _allreduce_request(state, sid, name, buffer, op, prescale, postscale)
         except ValueError as exc:
-            _refuse_allreduces(state, sid, [name], [buffer], op, prescale, postscale, exc)
+            refuse("allreduce", [name], exc, process_set=sid)
         engine = state.engine
         pace = engine.pace
         if pace is not None:
@@ -529,10 +506,10 @@ def allgather(buffers: Sequence[Buffer], *, names: Names = None, process_set=Non
     buffers = list(buffers)
     for b in buffers:
         if b.dim() == 0:
-            _refuse_call("allgather", ALLGATHER, buffers, names, process_set, group, ValueError(
+            _refuse_call("allgather", buffers, names, process_set, group, ValueError(
                 "allgather needs a tensor with at least one dimension; reshape the scalar to "
                 "[1]"))
-    reqs = _requests("allgather", ALLGATHER, buffers, names, process_set, group, cacheable)
+    reqs = _requests("allgather", buffers, names, process_set, group, cacheable)
     return _submit([Entry(r, _contiguous(b)) for r, b in zip(reqs, buffers)])
 
 
@@ -541,7 +518,7 @@ def broadcast(buffers: Sequence[Buffer], root_rank: int, *, names: Names = None,
               cacheable: Optional[bool] = None) -> Handle:
     """Every rank gets `root_rank`'s buffers (a global rank). Result: list (`outputs`)."""
     buffers = list(buffers)
-    reqs = _requests("broadcast", BROADCAST, buffers, names, process_set, group, cacheable,
+    reqs = _requests("broadcast", buffers, names, process_set, group, cacheable,
                      root_rank=int(root_rank))
     if outputs is None:
         outputs = [output_like(b) for b in buffers]
@@ -559,9 +536,9 @@ def reducescatter(buffers: Sequence[Buffer], *, names: Names = None, op: int = A
         for b in buffers:
             check_rank(b, "reducescatter")
     except (ValueError, NotImplementedError, HorovodInternalError) as exc:
-        _refuse_call("reducescatter", REDUCESCATTER, buffers, names, process_set, group, exc)
-    reqs = _requests("reducescatter", REDUCESCATTER, buffers, names, process_set, group,
-                     cacheable, reduce=True, reduce_op=op, prescale=float(prescale),
+        _refuse_call("reducescatter", buffers, names, process_set, group, exc)
+    reqs = _requests("reducescatter", buffers, names, process_set, group, cacheable,
+                     reduce=True, reduce_op=op, prescale=float(prescale),
                      postscale=float(postscale))
     return _submit([Entry(r, _contiguous(b)) for r, b in zip(reqs, buffers)])
 
@@ -571,19 +548,14 @@ def alltoall(buffer: Buffer, splits: Optional[Sequence[int]] = None, *, names: N
     """Rows `splits[i]` go to set rank i (default: equal parts). Result: (output, received
     splits as an int32 buffer). Never cached: splits may change every call. `splits_dtype` is
     the dtype name of a splits tensor (Horovod takes int32 only)."""
+    size = len(set_ranks(process_set))
     try:
         check_rank(buffer, "alltoall")
-    except ValueError as exc:
-        _refuse_call("alltoall", ALLTOALL, [buffer], names, process_set, None, exc)
-    try:
-        split_list = _validation.alltoall_splits(splits, int(buffer.shape[0]),
-                                                 len(set_ranks(process_set)),
+        split_list = _validation.alltoall_splits(splits, int(buffer.shape[0]), size,
                                                  dtype=splits_dtype)
     except ValueError as exc:
-        (req,) = _requests("alltoall", ALLTOALL, [buffer], names, process_set, None, False)
-        req.invalid = str(exc)
-        _refuse([req], [buffer], exc)
-    (req,) = _requests("alltoall", ALLTOALL, [buffer], names, process_set, None, False,
+        _refuse_call("alltoall", [buffer], names, process_set, None, exc)
+    (req,) = _requests("alltoall", [buffer], names, process_set, None, False,
                        splits=split_list)
     entry = Entry(req, _contiguous(buffer))
     return _submit([entry], lambda res: (res[0], entry.extra))
@@ -681,6 +653,7 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> 
 
 
 __all__ = ["Buffer", "Handle", "output_like", "allreduce", "allreduce_now", "allgather",
-           "broadcast", "reducescatter", "alltoall", "join", "barrier", "broadcast_object", "allgather_object",
-           "set_id", "set_ranks", "dtype_name", "check_reduce_op", "resolve_names",
+           "broadcast", "reducescatter", "alltoall", "join", "barrier", "broadcast_object",
+           "allgather_object", "refuse", "blocking_name", "set_id", "set_ranks", "dtype_name",
+           "check_reduce_op", "resolve_names",
            "AVERAGE", "SUM", "ADASUM", "MIN", "MAX", "PRODUCT"]
