@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import warnings
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -153,13 +154,23 @@ def check_accumulation_and_groups():
     steps = 2 * len(idx) // per_rank      # (fit's 2 epochs)
     close(opt.iterations, steps, "iterations count every pass, as Horovod")
 
-    dist = model(seed=500 + RANK)
-    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.1), groups=3)
-    fit(dist, opt, x[idx], y[idx], [hvd.callbacks.BroadcastGlobalVariablesCallback(0)], per_rank)
-    ref = model(seed=500)
-    fit(ref, keras.optimizers.SGD(learning_rate=0.1), x, y, [], per_rank * SIZE)
-    for a, b in zip(dist.get_weights(), ref.get_weights()):
-        close(a, b, "groups=3 == one process on the global batch", 1e-4)
+    # groups=3, and horovod.keras' positional order, where the 9th argument is num_groups
+    # (horovod.tensorflow.keras has backward_passes_per_step there: taken for it, the
+    # optimizer would accumulate 3 passes and the weights differ from the reference).
+    for how in ("groups=3", "num_groups=3 positionally"):
+        dist = model(seed=500 + RANK)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)      # (num_groups)
+            opt = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.1), groups=3) \
+                if how == "groups=3" else hvd.DistributedOptimizer(
+                    keras.optimizers.SGD(learning_rate=0.1), None, "", "",
+                    hvd.Compression.none, False, 1.0, hvd.Average, 3)
+        fit(dist, opt, x[idx], y[idx], [hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
+            per_rank)
+        ref = model(seed=500)
+        fit(ref, keras.optimizers.SGD(learning_rate=0.1), x, y, [], per_rank * SIZE)
+        for a, b in zip(dist.get_weights(), ref.get_weights()):
+            close(a, b, f"{how} == one process on the global batch", 1e-4)
     try:
         hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=0)
     except ValueError as exc:
@@ -315,6 +326,8 @@ def check_api():
     for name, expected in HOROVOD_KERAS_SIGNATURES.items():
         params = []
         for p in inspect.signature(getattr(hvd, name)).parameters.values():
+            if p.kind is inspect.Parameter.KEYWORD_ONLY and "*" not in params:
+                params.append("*")
             if p.default is inspect.Parameter.empty:
                 params.append(p.name)
             elif p.default is hvd.Compression.none:
@@ -329,15 +342,15 @@ def check_api():
             raise AssertionError(f"{name}({', '.join(params)}) != Horovod's ({expected})")
 
 
-# horovod/tensorflow/keras/__init__.py (Horovod 0.28; a superset of horovod/keras's), and
-# PartialDistributedOptimizer from horovod/keras/__init__.py
+# horovod/keras/__init__.py (Horovod 0.28). DistributedOptimizer: horovod.keras' parameters in
+# its order, then those only horovod.tensorflow.keras has, keyword-only.
 HOROVOD_KERAS_SIGNATURES = {
     "DistributedOptimizer": "optimizer, name=None, device_dense='', device_sparse='', "
                             "compression=Compression.none, sparse_as_dense=False, "
-                            "gradient_predivide_factor=1.0, op=Average, "
-                            "backward_passes_per_step=1, average_aggregated_gradients=False, "
-                            "num_groups=0, groups=None, process_set=global_process_set, "
-                            "scale_local_gradients=True",
+                            "gradient_predivide_factor=1.0, op=Average, num_groups=0, "
+                            "groups=None, *, backward_passes_per_step=1, "
+                            "average_aggregated_gradients=False, "
+                            "process_set=global_process_set, scale_local_gradients=True",
     "PartialDistributedOptimizer": "optimizer, name=None, device_dense='', device_sparse='', "
                                    "compression=Compression.none, sparse_as_dense=False, "
                                    "gradient_predivide_factor=1.0, op=Average, groups=None, "
