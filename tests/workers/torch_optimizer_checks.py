@@ -443,17 +443,13 @@ def backward_raises_midway():
     opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
     x, y = global_batch(0, salt=11)
     first, _, second = model
-    # The reference: the second layer's gradient on each rank's slice, averaged, in this
-    # process. (Not a clone of this rank's gradient after the failed pass: per hook, its
-    # allreduce is already in flight, in place, and may have half-written it.)
+    # The reference: the second layer's gradient on the whole batch, in this process (equal
+    # slices: the average of the ranks' gradients). Not a clone of this rank's gradient after
+    # the failed pass: per hook, its allreduce is already in flight, in place, and may have
+    # half-written it.
     ref = make_model()
-    per_rank = []
-    for r in range(SIZE):
-        ref.zero_grad()
-        rx, ry = x[r * N_LOCAL:(r + 1) * N_LOCAL], y[r * N_LOCAL:(r + 1) * N_LOCAL]
-        F.mse_loss(ref[2](torch.tanh(ref[0](rx)).detach()), ry).backward()
-        per_rank.append([ref[2].weight.grad.clone(), ref[2].bias.grad.clone()])
-    expected = [sum(g[i] for g in per_rank) / SIZE for i in range(2)]
+    F.mse_loss(ref[2](torch.tanh(ref[0](x)).detach()), y).backward()
+    expected = [ref[2].weight.grad, ref[2].bias.grad]
     out = second(_FailsBackward.apply(torch.tanh(first(local(x)))))
     try:
         F.mse_loss(out, local(y)).backward()
