@@ -158,3 +158,82 @@ def test_coordinator_passes_the_departed_ranks_round_count_on():
     out.clear()
     coord._handle(2, (Msg.SHUTDOWN,), out)          # an older rank's "S": no count
     assert out[0] == [(Item.GONE, 0, [2], None, None)]
+
+
+def _group_request(rank, name, group, size, **kw):
+    from hvdlite.common.messages import ALLREDUCE, SUM, Request
+    return Request(rank=rank, name=name, type=ALLREDUCE, dtype="float32", shape=(2,),
+                   reduce_op=SUM, group=group, group_size=size, **kw)
+
+
+def _responses(out, rank):
+    from hvdlite.common.protocol import Item
+    return [item[1] for item in out.get(rank, []) if item[0] == Item.RESPONSE]
+
+
+def test_a_group_whose_ranks_pass_different_counts_fails_once_every_rank_is_here():
+    """No name common to all ranks (an empty call's stand-in on one, members on the others):
+    the call fails on every rank, with both counts, when the last rank's part arrives, not
+    before; its members' requests are all failed, and the group is free again."""
+    from hvdlite.common.config import Settings
+    from hvdlite.common.controller import Coordinator, SetState
+    from hvdlite.common.messages import ERROR
+    from hvdlite.common.protocol import Msg
+    from hvdlite.common.response_cache import CoordinatorCache
+
+    settings = Settings()
+    coord = Coordinator(3, b"k" * 32, settings)
+    s = coord.sets[0] = SetState(0, [0, 1, 2], CoordinatorCache(settings.cache_capacity))
+    out: dict = {}
+    for r in (0, 1):
+        coord._handle(r, (Msg.QUERY, [_group_request(r, f"g.{i}", "g", 2) for i in range(2)],
+                          []), out)
+    assert not out, "failed before the last rank's part arrived"
+    coord._handle(2, (Msg.QUERY, [_group_request(2, "g.empty", "g", 0)], []), out)
+    for r in range(3):
+        errors = _responses(out, r)
+        assert sorted(n for e in errors for n in e.names) == ["g.0", "g.1", "g.empty"]
+        assert all(e.type == ERROR for e in errors)
+        assert "rank 0 submitted it with 2 tensors (one of them: 'g.0') but rank 2 with no " \
+               "tensors (an empty list)" in errors[0].error
+    assert not s.table and not s.failed_groups and not s.open_groups
+    out.clear()
+    for r in range(3):                                  # the group, used alike afterwards
+        coord._handle(r, (Msg.QUERY, [_group_request(r, f"g.{i}", "g", 2) for i in range(2)],
+                          []), out)
+    released = [n for resp in _responses(out, 0) for n in resp.names]
+    assert sorted(released) == ["g.0", "g.1"] and all(
+        resp.type != ERROR for resp in _responses(out, 0))
+
+
+def test_cache_hits_of_a_group_fail_against_another_ranks_count():
+    """Members that come back as cache hits are counted too: a rank's hits on a cached
+    group of 2 against another rank's empty call fail on both, whichever arrives first."""
+    from hvdlite.common.config import Settings
+    from hvdlite.common.controller import Coordinator, SetState
+    from hvdlite.common.messages import ERROR
+    from hvdlite.common.protocol import Msg
+    from hvdlite.common.response_cache import CoordinatorCache
+
+    for hits_first in (True, False):
+        settings = Settings()
+        coord = Coordinator(2, b"k" * 32, settings)
+        s = coord.sets[0] = SetState(0, [0, 1], CoordinatorCache(settings.cache_capacity))
+        out: dict = {}
+        for r in (0, 1):
+            coord._handle(r, (Msg.QUERY, [_group_request(r, f"g.{i}", "g", 2, cacheable=True)
+                                          for i in range(2)], []), out)
+        mask = sum(1 << b for b in s.cache.by_bit)      # (the cache holds g.0 and g.1)
+        assert len(s.cache.by_bit) == 2
+        out.clear()
+        hits = (Msg.QUERY, [], [(0, mask)])
+        empty = (Msg.QUERY, [_group_request(1, "g.empty", "g", 0)], [])
+        for r, msg in ([(0, hits), (1, empty)] if hits_first else [(1, empty), (0, hits)]):
+            coord._handle(r, msg, out)
+        for r in (0, 1):
+            errors = _responses(out, r)
+            assert sorted(n for e in errors for n in e.names) == ["g.0", "g.1", "g.empty"], \
+                (hits_first, errors)
+            assert all(e.type == ERROR and "with no tensors (an empty list)" in e.error
+                       for e in errors)
+        assert not s.pending_bits[0] and not s.table and not s.failed_groups

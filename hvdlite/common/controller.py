@@ -13,6 +13,12 @@ sees the set again only for first sight, changes, errors, joins, stalls ("W") an
 Messages are tagged with the sender's last steady epoch per set; one sent before the sender saw
 the latest "D" goes back to it ("Y") instead of into the table, so the two ways of releasing a
 set never interleave differently on different ranks.
+
+A grouped call is released whole, and its ranks must pass the same number of members: each
+rank's first member notes its count, and once every rank's part has arrived, counts that
+differ fail the whole call on every rank with both counts (_note_group), even where no member
+name is common to all ranks (an empty list takes part as one stand-in request,
+ops._empty_group).
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ from .config import Settings
 from .fusion import fuse_responses
 from .messages import (ADD_PROCESS_SET, CACHEABLE_TYPES, ERROR, JOIN, REMOVE_PROCESS_SET,
                        TYPE_NAMES, Request, Response)
-from .negotiation import construct_response
+from .negotiation import construct_response, group_count_error
 from .protocol import Item, Msg
 from .rendezvous import server_handshake
 from .response_cache import CoordinatorCache
@@ -69,6 +75,9 @@ class SetState:
     # Groups whose ranks disagreed on their members (_fail_group): group -> (error, {set rank:
     # how many of its members' requests are still to be failed}).
     failed_groups: dict = field(default_factory=dict)
+    # Grouped calls not yet released: group -> {set rank: (its call's number of members, the
+    # name of one of them)}, noted from each rank's first member (_note_group).
+    open_groups: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.index = {g: i for i, g in enumerate(self.ranks)}
@@ -566,6 +575,8 @@ class Coordinator:
         reqs[idx] = req
         if self.timeline is not None:
             self.timeline.negotiate_rank(req.name, s.ranks[idx])
+        if req.group is not None:
+            self._note_group(s, idx, req.group, req.group_size, req.name, req.type, ready)
         self._checks.append((s, req.name, ready))
         if self._checking:
             return
@@ -648,11 +659,79 @@ class Coordinator:
             # (this one's among them): the group is forgotten once all are failed, so that a
             # member arriving late still fails, and the name may be used alike afterwards.
             s.failed_groups.setdefault(group, (error, {
-                idx: r.group_size for idx, r in reqs.items() if r.group == group}))
+                idx: max(r.group_size, 1) for idx, r in reqs.items() if r.group == group}))
+            s.open_groups.pop(group, None)
             for other in [n for n, rs in s.table.items()
                           if any(r.group == group for r in rs.values())]:
                 self._fail_member(s, group, other, ready)
         # (`name` is among them: the (group, size) pairs differ, so some rank put it in one.)
+
+    def _note_group(self, s: SetState, idx: int, group: str, size: int, name: str,
+                    rtype: int, ready: list) -> None:
+        """Set rank `idx` submitted a member (`name`) of its call of `group`, a call of `size`
+        members (0: an empty call's stand-in, ops._empty_group). The first member of each
+        rank's call notes its size; once every rank of the set (but those joined) has one
+        noted and two sizes differ, the call fails on every rank (_mismatch_group).
+
+        Why: a call whose members the ranks name differently (a model with no parameters on
+        one rank, one built on rank 0 only) shares no name that could become ready on every
+        rank, where construct_response would see the sizes differ: its ranks waited for each
+        other until the stall shutdown (600 s by default). Members that arrive as cache hits
+        are noted too, while a call of their group is open (_on_hits), and the pending hits of
+        other ranks are read when a rank's first member arrives.
+
+        Not before every rank is here: a rank that got its error would go on to its next call
+        of the group, whose members a late rank's, failed as they arrive, could not be told
+        from (errors go out by name). A rank's members arrive together (one submission), so
+        when the last rank's first member arrives all of them are here, and the whole call
+        fails at once."""
+        if group in s.failed_groups:
+            return
+        calls = s.open_groups.get(group)
+        if calls is None:
+            calls = s.open_groups[group] = {}
+            # Ranks whose members of this group came as cache hits before it was open.
+            for j, bits in enumerate(s.pending_bits):
+                if j == idx or not bits:
+                    continue
+                for bit in set_bits(bits):
+                    entry = s.cache.by_bit.get(bit)
+                    if entry is not None and entry.template.group == group:
+                        calls.setdefault(j, (entry.group_size, entry.template.names[0]))
+                        break
+        if idx in calls:
+            return
+        calls[idx] = (size, name)
+        if len(calls) + len(s.joined - set(calls)) >= len(s.ranks) \
+                and any(n != size for n, _ in calls.values()):
+            self._mismatch_group(s, group, rtype, ready)
+
+    def _mismatch_group(self, s: SetState, group: str, rtype: int, ready: list) -> None:
+        """The ranks' calls of `group` have different numbers of members (_note_group): fail
+        every member on every rank, those here (in the table or pending as cache hits) now and
+        the rest as they arrive (failed_groups), with a message that names both counts."""
+        calls = s.open_groups.pop(group)
+        a = min(calls)
+        b = min(j for j, (n, _) in calls.items() if n != calls[a][0])
+        error = group_count_error(rtype, group, s.ranks[a], calls[a], s.ranks[b], calls[b])
+        self._group_sizes.pop((s.id, group), None)
+        # Requests still to fail per rank (an empty call's stand-in is one request).
+        s.failed_groups[group] = (error, {j: max(n, 1) for j, (n, _) in calls.items()})
+        for member in s.groups.pop(group, []):   # (none expected: no name is common to all)
+            ready.append((s, Response(type=ERROR, names=list(member.names),
+                                      process_set_id=s.id, error=error)))
+        for other in [n for n, rs in s.table.items()
+                      if any(r.group == group for r in rs.values())]:
+            self._fail_member(s, group, other, ready)
+        for j, bits in enumerate(s.pending_bits):
+            for bit in set_bits(bits):
+                entry = s.cache.by_bit.get(bit)
+                if entry is not None and entry.template.group == group \
+                        and group in s.failed_groups:
+                    s.pending_bits[j] &= ~(1 << bit)
+                    if not any(p >> bit & 1 for p in s.pending_bits):
+                        s.bit_seen.pop(bit, None)
+                    self._add_to_table(s, j, entry.requests[j], ready)
 
     def _fail_member(self, s: SetState, group: str, name: str, ready: list) -> None:
         """Fail `name`, a member of the failed `group` (_fail_group), on every rank; the
@@ -686,6 +765,8 @@ class Coordinator:
             return
         stale = mask & ~s.cache.valid_mask
         mask &= s.cache.valid_mask
+        if s.open_groups or s.failed_groups:
+            mask = self._grouped_hits(s, idx, mask, ready)
         now = time.monotonic()
         for bit in set_bits(mask & ~s.pending_bits[idx]):
             s.bit_seen.setdefault(bit, now)
@@ -708,6 +789,23 @@ class Coordinator:
             if resend:
                 out.setdefault(rank, []).append((Item.RESEND, set_id, resend))
         self._release_bits(s, ready)
+
+    def _grouped_hits(self, s: SetState, idx: int, mask: int, ready: list) -> int:
+        """`mask` less the hits of set rank `idx` on members of a failed group, which fail
+        (as its full requests would, _fail_member); hits on an open group's members are noted
+        (_note_group), and fail too if their count differs from another rank's."""
+        for bit in set_bits(mask & ~s.pending_bits[idx]):
+            entry = s.cache.by_bit[bit]
+            group = entry.template.group
+            if group is None:
+                continue
+            if group in s.open_groups:
+                self._note_group(s, idx, group, entry.group_size, entry.template.names[0],
+                                 entry.template.type, ready)
+            if group in s.failed_groups:
+                mask &= ~(1 << bit)
+                self._add_to_table(s, idx, entry.requests[idx], ready)
+        return mask
 
     def _release_bits(self, s: SetState, ready: list) -> None:
         common = -1
@@ -860,7 +958,7 @@ class Coordinator:
                 continue
             s.all_hits = False
             if (s.steady or s.table or any(s.pending_bits) or s.joined
-                    or s.groups or s.gone or self.fatal):
+                    or s.groups or s.failed_groups or s.gone or self.fatal):
                 continue
             s.epoch += 1
             s.steady = True
@@ -894,6 +992,7 @@ class Coordinator:
             if len(members) >= size:
                 del s.groups[resp.group]
                 self._group_sizes.pop((s.id, resp.group), None)
+                s.open_groups.pop(resp.group, None)
                 released.extend((s, m) for m in members)
         if not released:
             return

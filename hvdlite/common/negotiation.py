@@ -25,6 +25,22 @@ def _grouping(req: Request) -> str:
         f"in group '{req.group}' of {req.group_size} tensors"
 
 
+def group_count_error(rtype: int, group: str, a: int, call_a: tuple, b: int,
+                      call_b: tuple) -> str:
+    """The error of a grouped call whose ranks `a` and `b` (global ranks) passed different
+    numbers of tensors; `call_a`, `call_b`: (that rank's count, one member's name), a count
+    of 0 for an empty list (controller.Coordinator._note_group)."""
+    def part(call: tuple) -> str:
+        n, member = call
+        return "with no tensors (an empty list)" if n == 0 else \
+            f"with {n} tensors (one of them: '{member}')"
+
+    return (f"Mismatched grouped {TYPE_NAMES[rtype]} in group '{group}': rank {a} submitted it "
+            f"{part(call_a)} but rank {b} {part(call_b)}. A grouped call must pass the same "
+            f"number of tensors on every rank, in the same order (the same model, or the same "
+            f"list, on every rank).")
+
+
 def _dev(d: int) -> str:
     return "CPU" if d < 0 else f"GPU {d}"
 

@@ -224,6 +224,29 @@ def _requests(kind: str, buffers: Sequence[Buffer], names: Names, process_set, g
         refuse(kind, wire, exc, process_set=sid, group=gname)
 
 
+def _empty_group(kind: str, names: Names, process_set, group, **kw) -> Handle:
+    """A grouped call of no tensors (a model with no parameters on this rank, one not built
+    yet): this rank's part goes out as one request, `<group>.empty`, that stands for the
+    group and says it has no members (group_size 0, an empty placeholder: nothing is moved).
+    Result: an empty list.
+
+    Why: the call used to return at once, and ranks that passed tensors under the same group
+    waited for this one until the stall shutdown (600 s by default), whose report then named
+    this rank as hung. Now the coordinator sees the group's sizes differ once every rank's
+    part has arrived and fails the call on every rank with both counts
+    (controller.Coordinator._note_group); where every rank passes none, the placeholders
+    match and the call completes."""
+    sid = set_id(process_set)
+    _, base = resolve_names(kind, names, 0, sid, group)
+    gname = base if group is True else str(group)
+    req = Request(rank=_state().rank, name=f"{gname}.empty", type=_KIND_TYPES[kind],
+                  dtype="uint8", shape=(0,), process_set_id=sid, cacheable=False, group=gname,
+                  group_size=0, **kw)
+    placeholder = torch.empty(0, dtype=torch.uint8)
+    output = placeholder if kind in ("allreduce", "broadcast") else None   # (others allocate)
+    return _submit([Entry(req, placeholder, output)], lambda res: [])
+
+
 def _refuse_call(kind: str, buffers: Sequence[Buffer], names: Names, process_set, group,
                  exc: Exception):
     """Raise `exc`, an argument error found before a call's requests exist (an op the
@@ -321,6 +344,8 @@ def allreduce(buffers: Sequence[Buffer], *, names: Names = None, op: int = AVERA
     itself, it polls it as long as the express lane does (engine.Engine.enqueue); the result
     is the same either way."""
     buffers = list(buffers)
+    if not buffers and group:
+        return _empty_group("allreduce", names, process_set, group, reduce_op=SUM)
     try:
         check_reduce_op(op, process_set, buffers, "allreduce")
     except (ValueError, NotImplementedError, HorovodInternalError) as exc:
@@ -504,6 +529,8 @@ def allgather(buffers: Sequence[Buffer], *, names: Names = None, process_set=Non
               cacheable: Optional[bool] = None) -> Handle:
     """Concatenate every rank's buffer along dimension 0 (first dims may differ). Result: list."""
     buffers = list(buffers)
+    if not buffers and group:
+        return _empty_group("allgather", names, process_set, group)
     for b in buffers:
         if b.dim() == 0:
             _refuse_call("allgather", buffers, names, process_set, group, ValueError(
@@ -518,6 +545,8 @@ def broadcast(buffers: Sequence[Buffer], root_rank: int, *, names: Names = None,
               cacheable: Optional[bool] = None) -> Handle:
     """Every rank gets `root_rank`'s buffers (a global rank). Result: list (`outputs`)."""
     buffers = list(buffers)
+    if not buffers and group:
+        return _empty_group("broadcast", names, process_set, group, root_rank=int(root_rank))
     reqs = _requests("broadcast", buffers, names, process_set, group, cacheable,
                      root_rank=int(root_rank))
     if outputs is None:
@@ -531,6 +560,8 @@ def reducescatter(buffers: Sequence[Buffer], *, names: Names = None, op: int = A
     """Reduce over the set; each rank keeps its slice of dimension 0 (the first
     dim % size ranks one row more). Result: list."""
     buffers = list(buffers)
+    if not buffers and group:
+        return _empty_group("reducescatter", names, process_set, group, reduce_op=SUM)
     try:
         check_reduce_op(op, process_set, buffers, "reducescatter")
         for b in buffers:

@@ -237,11 +237,10 @@ def reducescatter(value, name=None, op=Average):
 def broadcast_variables(variables, root_rank, process_set=global_process_set):
     """Assign `root_rank`'s values to Keras variables on every rank (one grouped broadcast)."""
     variables = list(variables)
-    if not variables:
-        return
     values = [v.value.detach() if isinstance(v.value, torch.Tensor) else _as_torch(v.value)
               for v in variables]
-    # One grouped broadcast: ranks whose models differ fail at once with both counts.
+    # One grouped broadcast: ranks whose models differ (or one with none, an empty list: it
+    # takes part too, common.ops._empty_group) fail at once with both counts.
     results = _cops.broadcast([t.contiguous() for t in values], root_rank,
                               names=[f"keras.bcast.{i}" for i in range(len(values))],
                               process_set=process_set, group="keras.bcast").wait()

@@ -17,8 +17,10 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
     that assigns them. `inplace` is accepted for compatibility (both paths assign in place).
     """
     variables = list(variables)
-    if not variables:
-        return None if tf.executing_eagerly() else tf.no_op()
+    if not variables and not tf.executing_eagerly():
+        return tf.no_op()
+    # (Eagerly an empty list still takes part, so that ranks whose models differ fail at once:
+    # mpi_ops.broadcast_group.)
     tf_vars = [_ops._tf_variable(v) for v in variables]
     for v, tv in zip(variables, tf_vars):
         if tv is None:

@@ -288,8 +288,9 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     """Broadcast `variables` in place from `root_rank`; returns their new values."""
     single = not isinstance(variables, (list, tuple))
     variables = [variables] if single else list(variables)
-    if not variables:
+    if not variables and not tf.executing_eagerly():
         return []
+    # (Eagerly an empty list still takes part: broadcast_group.)
     tf_vars = [_tf_variable(v) for v in variables]
     for v, tv in zip(variables, tf_vars):
         if tv is None:
@@ -308,7 +309,11 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
 
 def broadcast_group(tensors, root_rank, name=None, process_set=global_process_set,
                     kind="BroadcastGroup", ignore_name_scope=False):
-    """Broadcast many tensors in one node/one submission (they fuse); not differentiable."""
+    """Broadcast many tensors in one node/one submission (they fuse); not differentiable.
+
+    Eagerly, an empty list takes part too (common.ops._empty_group): where other ranks pass
+    tensors (a model built on one rank only), every rank fails at once with both counts,
+    instead of those ranks waiting for this one until the stall shutdown."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     set_id = _set_id(process_set)
     _check_graph("hvd.broadcast_variables")

@@ -36,12 +36,11 @@ def broadcast_parameters(params, root_rank, prefix=None):
         _check_inplace(p)
         tensors.append(p.detach())
         names.append(name)
-    if not tensors:
-        return
     # One grouped broadcast, each tensor under its name: ranks whose models differ (a layer
-    # more on one rank) fail at once, on every rank, with both tensor counts (the group's size
-    # is checked across ranks), instead of waiting for names the others never send until the
-    # stall shutdown. In place: each tensor is its own output.
+    # more on one rank, or none at all: an empty list still takes part, ops._empty_group) fail
+    # at once, on every rank, with both tensor counts (the group's size is checked across
+    # ranks), instead of waiting for names the others never send until the stall shutdown.
+    # In place: each tensor is its own output.
     _ops.broadcast(tensors, root_rank, names=names if None not in names else None,
                    group="broadcast_parameters" + (f".{prefix}" if prefix else ""),
                    outputs=tensors).wait()

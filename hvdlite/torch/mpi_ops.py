@@ -57,6 +57,13 @@ def _single(res):
     return res[0]
 
 
+def _compress_all(tensors, compression) -> tuple[list, list]:
+    """(compressed tensors, their contexts) of a grouped call's `tensors`; an empty list
+    gives two empty lists (unpacking zip(*...) of none raised ValueError)."""
+    pairs = [compression.compress(t) for t in tensors]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
 def _traced(tensors) -> bool:
     """Whether autograd would record a collective on `tensors`.
 
@@ -213,7 +220,7 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """Allreduce a list of tensors together; differentiable."""
-    compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
+    compressed, ctxs = _compress_all(tensors, compression)
     with _ops.blocking_name("grouped_allreduce", name, process_set) as name:
         if _traced(compressed):
             reduced = HorovodGroupedAllreduce.apply(average, name, op, prescale_factor,
@@ -517,7 +524,7 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0):
-    compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
+    compressed, ctxs = _compress_all(tensors, compression)
     with _ops.blocking_name("grouped_reducescatter", name, process_set) as name:
         if _traced(compressed):
             outs = HorovodGroupedReducescatter.apply(name, op, process_set, prescale_factor,

@@ -827,7 +827,19 @@ def check_one_rank_errors():
     vs = [tf.Variable(tf.ones(2)) for _ in range(2 + odd)]
     expect_raises(Exception, lambda: hvd.broadcast_variables(vs, 0),
                   "broadcast_variables of different models",
-                  ["Mismatched grouped BROADCAST", "of 2 tensors", "of 3 tensors"])
+                  ["Mismatched grouped BROADCAST", "with 2 tensors", "with 3 tensors"])
+    # A model with no variables on one rank (not built there): it takes part with an empty
+    # list, and every rank fails at once; in place as well; where every rank passes none,
+    # nothing fails.
+    expect_raises(Exception, lambda: hvd.broadcast_variables([] if odd else vs, 0),
+                  "broadcast_variables of no variables on the last rank",
+                  ["Mismatched grouped BROADCAST", "with 2 tensors",
+                   f"rank {SIZE - 1} with no tensors (an empty list)"])
+    expect_raises(Exception, lambda: hvd.broadcast_([] if odd else vs, 0),
+                  "broadcast_ of no variables on the last rank",
+                  ["Mismatched grouped BROADCAST", "with no tensors (an empty list)"])
+    hvd.broadcast_variables([], 0)
+    hvd.broadcast_variables(vs[:2], 0)             # used alike afterwards
     same(hvd.allreduce(tf.ones(3), name="onerank.ar", op=hvd.Sum), np.full(3, SIZE, np.float32),
          "'onerank.ar' used alike afterwards")
     same(hvd.allgather(tf.ones((1,)), name="onerank.ag"), np.ones(SIZE, np.float32),
