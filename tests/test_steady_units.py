@@ -237,3 +237,41 @@ def test_cache_hits_of_a_group_fail_against_another_ranks_count():
             assert all(e.type == ERROR and "with no tensors (an empty list)" in e.error
                        for e in errors)
         assert not s.pending_bits[0] and not s.table and not s.failed_groups
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-message", "two-messages"])
+def test_a_group_whose_ranks_name_its_members_differently_fails_once_all_are_here(split):
+    """As many members on each rank, one of them named differently (a prefix on one rank):
+    every rank's call fails once all members are here, with both names; the common member
+    is released as it is (`split`: it was ready, and held for its group, before the other
+    member came); nothing of the call is left, and the group works afterwards."""
+    from hvdlite.common.config import Settings
+    from hvdlite.common.controller import Coordinator, SetState
+    from hvdlite.common.messages import ERROR
+    from hvdlite.common.protocol import Msg
+    from hvdlite.common.response_cache import CoordinatorCache
+
+    settings = Settings()
+    coord = Coordinator(2, b"k" * 32, settings)
+    s = coord.sets[0] = SetState(0, [0, 1], CoordinatorCache(settings.cache_capacity))
+    out: dict = {}
+    coord._handle(0, (Msg.QUERY, [_group_request(0, n, "p", 2) for n in ("bias", "weight")],
+                      []), out)
+    assert not out
+    members = [_group_request(1, n, "p", 2) for n in ("bias", "module.weight")]
+    for part in ([members[:1], members[1:]] if split else [members]):
+        coord._handle(1, (Msg.QUERY, part, []), out)
+    for r in (0, 1):
+        got = {n: resp for resp in _responses(out, r) for n in resp.names}
+        assert sorted(got) == ["bias", "module.weight", "weight"], got
+        assert got["bias"].type != ERROR
+        assert got["weight"].type == ERROR and got["module.weight"].type == ERROR
+        assert "rank 0 submitted 'weight', which rank 1 did not, and rank 1 submitted " \
+               "'module.weight', which rank 0 did not" in got["weight"].error
+    assert not s.table and not s.failed_groups and not s.open_groups and not s.groups
+    out.clear()
+    for r in (0, 1):
+        coord._handle(r, (Msg.QUERY, [_group_request(r, n, "p", 2)
+                                      for n in ("bias", "weight")], []), out)
+    assert sorted(n for resp in _responses(out, 0) for n in resp.names) == ["bias", "weight"]
+    assert all(resp.type != ERROR for resp in _responses(out, 0))

@@ -14,10 +14,10 @@ Messages are tagged with the sender's last steady epoch per set; one sent before
 the latest "D" goes back to it ("Y") instead of into the table, so the two ways of releasing a
 set never interleave differently on different ranks.
 
-A grouped call is released whole, and its ranks must pass the same number of members: each
-rank's first member notes its count, and once every rank's part has arrived, counts that
-differ fail the whole call on every rank with both counts (_note_group), even where no member
-name is common to all ranks (an empty list takes part as one stand-in request,
+A grouped call is released whole, and its ranks must pass the same members: each member is
+counted as it arrives (groups.OpenGroup), and once every rank's part is here, counts or names
+that differ fail the whole call on every rank with both sides (_note_group), even where no
+member name is common to all ranks (an empty list takes part as one stand-in request,
 ops._empty_group).
 """
 from __future__ import annotations
@@ -36,7 +36,8 @@ from .config import Settings
 from .fusion import fuse_responses
 from .messages import (ADD_PROCESS_SET, CACHEABLE_TYPES, ERROR, JOIN, REMOVE_PROCESS_SET,
                        TYPE_NAMES, Request, Response)
-from .negotiation import construct_response, group_count_error
+from .groups import OpenGroup
+from .negotiation import construct_response
 from .protocol import Item, Msg
 from .rendezvous import server_handshake
 from .response_cache import CoordinatorCache
@@ -75,8 +76,7 @@ class SetState:
     # Groups whose ranks disagreed on their members (_fail_group): group -> (error, {set rank:
     # how many of its members' requests are still to be failed}).
     failed_groups: dict = field(default_factory=dict)
-    # Grouped calls not yet released: group -> {set rank: (its call's number of members, the
-    # name of one of them)}, noted from each rank's first member (_note_group).
+    # Grouped calls not yet released: group -> groups.OpenGroup (_note_group).
     open_groups: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -668,58 +668,43 @@ class Coordinator:
 
     def _note_group(self, s: SetState, idx: int, group: str, size: int, name: str,
                     rtype: int, ready: list) -> None:
-        """Set rank `idx` submitted a member (`name`) of its call of `group`, a call of `size`
-        members (0: an empty call's stand-in, ops._empty_group). The first member of each
-        rank's call notes its size; once every rank of the set (but those joined) has one
-        noted and two sizes differ, the call fails on every rank (_mismatch_group).
-
-        Why: a call whose members the ranks name differently (a model with no parameters on
-        one rank, one built on rank 0 only) shares no name that could become ready on every
-        rank, where construct_response would see the sizes differ: its ranks waited for each
-        other until the stall shutdown (600 s by default). Members that arrive as cache hits
-        are noted too, while a call of their group is open (_on_hits), and the pending hits of
-        other ranks are read when a rank's first member arrives.
-
-        Not before every rank is here: a rank that got its error would go on to its next call
-        of the group, whose members a late rank's, failed as they arrive, could not be told
-        from (errors go out by name). A rank's members arrive together (one submission), so
-        when the last rank's first member arrives all of them are here, and the whole call
-        fails at once."""
+        """Set rank `idx` submitted member `name` of its call of `group`, a call of `size`
+        members (0: an empty list's stand-in, ops._empty_group): counted in the call's
+        OpenGroup, which fails the call on every rank once the ranks' counts or names are
+        certain to differ (groups.py says why and when). Members that arrive as cache hits
+        are counted too: those pending when a call opens, and those that arrive while it is
+        open (_grouped_hits)."""
         if group in s.failed_groups:
             return
-        calls = s.open_groups.get(group)
-        if calls is None:
-            calls = s.open_groups[group] = {}
-            # Ranks whose members of this group came as cache hits before it was open.
+        og = s.open_groups.get(group)
+        opened = og is None
+        if opened:
+            og = s.open_groups[group] = OpenGroup()
             for j, bits in enumerate(s.pending_bits):
-                if j == idx or not bits:
-                    continue
                 for bit in set_bits(bits):
                     entry = s.cache.by_bit.get(bit)
                     if entry is not None and entry.template.group == group:
-                        calls.setdefault(j, (entry.group_size, entry.template.names[0]))
-                        break
-        if idx in calls:
-            return
-        calls[idx] = (size, name)
-        if len(calls) + len(s.joined - set(calls)) >= len(s.ranks) \
-                and any(n != size for n, _ in calls.values()):
-            self._mismatch_group(s, group, rtype, ready)
+                        og.add(j, entry.group_size, entry.template.names[0])
+        if og.add(idx, size, name) or opened:
+            error = og.verdict(s.ranks, s.joined, rtype, group)
+            if error is not None:
+                self._fail_open_group(s, group, error, ready)
 
-    def _mismatch_group(self, s: SetState, group: str, rtype: int, ready: list) -> None:
-        """The ranks' calls of `group` have different numbers of members (_note_group): fail
-        every member on every rank, those here (in the table or pending as cache hits) now and
-        the rest as they arrive (failed_groups), with a message that names both counts."""
-        calls = s.open_groups.pop(group)
-        a = min(calls)
-        b = min(j for j, (n, _) in calls.items() if n != calls[a][0])
-        error = group_count_error(rtype, group, s.ranks[a], calls[a], s.ranks[b], calls[b])
+    def _fail_open_group(self, s: SetState, group: str, error: str, ready: list) -> None:
+        """Fail the open call of `group` (_note_group) on every rank: its members here (in the
+        table, or pending as cache hits) now, and those still to come as they arrive
+        (failed_groups). Members every rank submitted and that are ready already (the names
+        differ elsewhere) are released as they are; each rank's call fails all the same."""
+        og = s.open_groups.pop(group)
         self._group_sizes.pop((s.id, group), None)
-        # Requests still to fail per rank (an empty call's stand-in is one request).
-        s.failed_groups[group] = (error, {j: max(n, 1) for j, (n, _) in calls.items()})
-        for member in s.groups.pop(group, []):   # (none expected: no name is common to all)
-            ready.append((s, Response(type=ERROR, names=list(member.names),
-                                      process_set_id=s.id, error=error)))
+        # Requests still to fail per rank (an empty list's stand-in is one request).
+        owed = {j: max(n, 1) for j, (n, _) in og.calls.items()}
+        s.failed_groups[group] = (error, owed)
+        held = s.groups.pop(group, [])
+        for resp in held + [r for t, r in ready if t is s and r.group == group]:
+            for j in owed:
+                owed[j] = max(owed[j] - len(resp.names), 0)
+        ready.extend((s, resp) for resp in held)  # (alone: its group's size is forgotten)
         for other in [n for n, rs in s.table.items()
                       if any(r.group == group for r in rs.values())]:
             self._fail_member(s, group, other, ready)
@@ -732,6 +717,8 @@ class Coordinator:
                     if not any(p >> bit & 1 for p in s.pending_bits):
                         s.bit_seen.pop(bit, None)
                     self._add_to_table(s, j, entry.requests[j], ready)
+        if group in s.failed_groups and not any(owed.values()):
+            del s.failed_groups[group]
 
     def _fail_member(self, s: SetState, group: str, name: str, ready: list) -> None:
         """Fail `name`, a member of the failed `group` (_fail_group), on every rank; the
@@ -792,8 +779,8 @@ class Coordinator:
 
     def _grouped_hits(self, s: SetState, idx: int, mask: int, ready: list) -> int:
         """`mask` less the hits of set rank `idx` on members of a failed group, which fail
-        (as its full requests would, _fail_member); hits on an open group's members are noted
-        (_note_group), and fail too if their count differs from another rank's."""
+        (as its full requests would, _fail_member); hits on an open group's members are
+        counted (_note_group), and fail too where that call fails."""
         for bit in set_bits(mask & ~s.pending_bits[idx]):
             entry = s.cache.by_bit[bit]
             group = entry.template.group
@@ -941,7 +928,13 @@ class Coordinator:
         for s, bits in self._evicted:
             self._announce_evictions(s, bits, out)
         self._evicted = []
-        self._fresh.clear()
+        # A grouped member held for the rest of its group keeps its bit fresh until it is
+        # released: the ranks learn a bit from the full response only (sent compact, a later
+        # round's release named a bit no rank knew).
+        self._fresh = {(s.id, b) for s in self.sets.values() if s.groups
+                       for held in s.groups.values() for resp in held
+                       for b in (resp.cache_bits or ()) if (s.id, b) in self._fresh} \
+            if self._fresh else self._fresh
         self._maybe_enter_steady(out)
 
     def _maybe_enter_steady(self, out: dict) -> None:

@@ -41,6 +41,16 @@ def group_count_error(rtype: int, group: str, a: int, call_a: tuple, b: int,
             f"list, on every rank).")
 
 
+def group_names_error(rtype: int, group: str, a: int, name_a: str, b: int, name_b: str) -> str:
+    """The error of a grouped call whose ranks `a` and `b` (global ranks) passed as many
+    tensors under different names: `name_a` only `a` submitted, `name_b` only `b`."""
+    return (f"Mismatched grouped {TYPE_NAMES[rtype]} in group '{group}': rank {a} submitted "
+            f"'{name_a}', which rank {b} did not, and rank {b} submitted '{name_b}', which rank "
+            f"{a} did not. A grouped call must pass the same tensors, under the same names, on "
+            f"every rank (a model wrapped or compiled on some ranks only has its parameter "
+            f"names prefixed there: 'module.', '_orig_mod.').")
+
+
 def _dev(d: int) -> str:
     return "CPU" if d < 0 else f"GPU {d}"
 
