@@ -275,3 +275,41 @@ def test_a_group_whose_ranks_name_its_members_differently_fails_once_all_are_her
                                       for n in ("bias", "weight")], []), out)
     assert sorted(n for resp in _responses(out, 0) for n in resp.names) == ["bias", "weight"]
     assert all(resp.type != ERROR for resp in _responses(out, 0))
+
+
+@pytest.mark.parametrize("hits_first", [True, False], ids=["hits-first", "hits-last"])
+def test_cache_hits_of_a_group_fail_against_another_ranks_names(hits_first):
+    """A rank's call as cache hits (a model broadcast before) against another rank's as many
+    members under other names (its model wrapped: 'module.'): every member fails on both
+    ranks, whichever arrives first. (With the hits last, in one message, the verdict came on
+    the last hit, and only that one failed: the others stayed pending, and rank 0 waited for
+    the stall shutdown while rank 1 had its error.)"""
+    from hvdlite.common.config import Settings
+    from hvdlite.common.controller import Coordinator, SetState
+    from hvdlite.common.messages import ERROR
+    from hvdlite.common.protocol import Msg
+    from hvdlite.common.response_cache import CoordinatorCache
+
+    names = ["0.bias", "0.weight", "1.bias", "1.weight"]
+    settings = Settings()
+    coord = Coordinator(2, b"k" * 32, settings)
+    s = coord.sets[0] = SetState(0, [0, 1], CoordinatorCache(settings.cache_capacity))
+    out: dict = {}
+    for r in (0, 1):
+        coord._handle(r, (Msg.QUERY, [_group_request(r, n, "bp", 4, cacheable=True)
+                                      for n in names], []), out)
+    assert len(s.cache.by_bit) == 4
+    mask = sum(1 << b for b in s.cache.by_bit)
+    out.clear()
+    hits = (Msg.QUERY, [], [(0, mask)])
+    wrapped = (Msg.QUERY, [_group_request(1, "module." + n, "bp", 4) for n in names], [])
+    for r, msg in ([(0, hits), (1, wrapped)] if hits_first else [(1, wrapped), (0, hits)]):
+        coord._handle(r, msg, out)
+    for r in (0, 1):
+        got = {n: resp for resp in _responses(out, r) for n in resp.names}
+        assert sorted(got) == sorted(names + ["module." + n for n in names]), (r, got)
+        assert all(resp.type == ERROR for resp in got.values())
+        assert "rank 0 submitted '0.bias', which rank 1 did not, and rank 1 submitted " \
+               "'module.0.bias', which rank 0 did not" in got["1.weight"].error
+    assert not any(s.pending_bits) and not s.table and not s.failed_groups \
+        and not s.open_groups

@@ -780,16 +780,22 @@ class Coordinator:
     def _grouped_hits(self, s: SetState, idx: int, mask: int, ready: list) -> int:
         """`mask` less the hits of set rank `idx` on members of a failed group, which fail
         (as its full requests would, _fail_member); hits on an open group's members are
-        counted (_note_group), and fail too where that call fails."""
-        for bit in set_bits(mask & ~s.pending_bits[idx]):
-            entry = s.cache.by_bit[bit]
+        counted (_note_group), and fail too where that call fails.
+
+        All of them are counted before any is failed: the verdict may come on the last hit
+        of a call (its names compared once all are here), and then every hit of the call
+        fails, the ones counted before it too. (Failed as they were counted, only the last
+        one was: the others stayed pending for a call the other ranks had already been told
+        had failed, and their rank waited for the stall shutdown.)"""
+        fresh = [(bit, s.cache.by_bit[bit]) for bit in set_bits(mask & ~s.pending_bits[idx])]
+        for bit, entry in fresh:
             group = entry.template.group
-            if group is None:
-                continue
-            if group in s.open_groups:
+            if group is not None and group in s.open_groups:
                 self._note_group(s, idx, group, entry.group_size, entry.template.names[0],
                                  entry.template.type, ready)
-            if group in s.failed_groups:
+        for bit, entry in fresh:
+            group = entry.template.group
+            if group is not None and group in s.failed_groups:
                 mask &= ~(1 << bit)
                 self._add_to_table(s, idx, entry.requests[idx], ready)
         return mask

@@ -580,13 +580,20 @@ def errors():
                          "with 4 tensors"])
     hvd.broadcast_parameters([], root_rank=0)
     # As many tensors, named differently: the last rank's model wrapped ('module.' names).
+    # Rank 0's are cache hits (the model was broadcast above); they reach the coordinator
+    # after the others' requests (rank 0 late), then before them (the last rank late).
     state = {("module." if odd else "") + k: v for k, v in model.state_dict().items()}
-    expect_raises(hvd.HorovodInternalError,
-                  lambda: hvd.broadcast_parameters(state, root_rank=0),
-                  "broadcast_parameters with names prefixed on the last rank",
-                  match=["Mismatched grouped BROADCAST in group 'broadcast_parameters'",
-                         f"rank 0 submitted '0.bias', which rank {size - 1} did not, and rank "
-                         f"{size - 1} submitted 'module.0.bias', which rank 0 did not"])
+    for late in (0, size - 1):
+        if rank == late:
+            time.sleep(0.3)
+        expect_raises(hvd.HorovodInternalError,
+                      lambda: hvd.broadcast_parameters(state, root_rank=0),
+                      f"broadcast_parameters with names prefixed on the last rank, rank {late} "
+                      "late", match=["Mismatched grouped BROADCAST in group "
+                                     "'broadcast_parameters'",
+                                     f"rank 0 submitted '0.bias', which rank {size - 1} did not, "
+                                     f"and rank {size - 1} submitted 'module.0.bias', which "
+                                     "rank 0 did not"])
     for attempt in range(3):               # cache hits: the steady state from the second on
         got = hvd.grouped_allreduce([torch.ones(2), torch.ones(3)], op=hvd.Sum,
                                     name="mismatch.cached")
