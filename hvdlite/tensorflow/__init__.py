@@ -70,7 +70,9 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       ignore_name_scope=False, name=None):
     """Allreduce a list of tf.Tensor / tf.IndexedSlices together (negotiated and fused as one
     group); differentiable. Arguments as `allreduce`."""
-    if not tensors:
+    if not tensors:     # (eagerly it still takes part: mpi_ops._empty_grouped)
+        _mpi_ops._grouped_allreduce([], name=name, ignore_name_scope=ignore_name_scope,
+                                    process_set=process_set)
         return tensors
     op = handle_average_backwards_compatibility(op, average)
     out = [None] * len(tensors)
@@ -112,7 +114,9 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0, name=None, ignore_name_scope=False):
     """Reduce-scatter a list of tensors together; differentiable."""
-    if not tensors:
+    if not tensors:     # (eagerly it still takes part: mpi_ops._empty_grouped)
+        _mpi_ops._grouped_reducescatter([], name=name, ignore_name_scope=ignore_name_scope,
+                                        process_set=process_set)
         return tensors
     compressed, ctxs = zip(*[compression.compress(_tf.convert_to_tensor(t)) for t in tensors])
     reduced = _mpi_ops._grouped_reducescatter(list(compressed), name=name, op=op,

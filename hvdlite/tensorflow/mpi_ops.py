@@ -39,6 +39,7 @@ from .bridge import (_BITCAST, _DTYPE_NAMES, _REDUCIBLE, _XLA_MESSAGE, _check_gr
                      _set_size, _to_tf, _to_torch, _unique_in_graph, _wire_name, filled,
                      gather_shape, refusing, wire_name, with_gradient)
 from .compression import Compression
+from .errors import call_eager as _call_eager
 from .errors import eager_errors as _eager_errors
 
 Average, Sum, Adasum, Min, Max, Product = AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT
@@ -85,9 +86,27 @@ def _allreduce_named(tensor, wire, cacheable, op, pre, post, set_id):
                                     grouped=False)[0]
 
 
+def _empty_grouped(kind: str, op_kind: str, name, ignore_name_scope, process_set) -> list:
+    """A grouped call of no tensors (`kind`: its wire-name kind; `op_kind`: the op layer's
+    collective): eagerly, this rank's part still goes to the other ranks under the call's
+    group (common.ops._empty_group), so ranks that pass tensors fail at once with both
+    counts, where they waited for this one until the stall shutdown. In a graph, nothing (a
+    node of no tensors would add a collective to every run of it). Result: []."""
+    if tf.executing_eagerly():
+        set_id = _set_id(process_set)
+        with wire_name(kind, name, ignore_name_scope, set_id) as (wire, _):
+            # (Errors as the collective's own: Horovod's TF classes, _run.)
+            _call_eager(lambda: getattr(_cops, op_kind)([], process_set=set_id,
+                                                        group=wire).wait(), [])
+    return []
+
+
 def _grouped_allreduce(tensors, name=None, op=Sum, prescale_factor=1.0, postscale_factor=1.0,
                        ignore_name_scope=False, process_set=global_process_set):
     tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return _empty_grouped("GroupedAllreduce", "allreduce", name, ignore_name_scope,
+                              process_set)
     set_id = _set_id(process_set)
     _check_graph("hvd.grouped_allreduce")
     with wire_name("GroupedAllreduce", name, ignore_name_scope, set_id) as (wire, cacheable):
@@ -209,7 +228,8 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
     differentiable."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
-        return []
+        return _empty_grouped("GroupedAllgather", "allgather", name, ignore_name_scope,
+                              process_set)
     set_id = _set_id(process_set)
     _check_graph("hvd.grouped_allgather")
     with wire_name("GroupedAllgather", name, ignore_name_scope, set_id) as (wire, cacheable):
@@ -413,6 +433,9 @@ def _grouped_reducescatter(tensors, name=None, op=Sum, ignore_name_scope=False,
                            process_set=global_process_set, prescale_factor=1.0,
                            postscale_factor=1.0):
     tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return _empty_grouped("GroupedReducescatter", "reducescatter", name, ignore_name_scope,
+                              process_set)
     set_id = _set_id(process_set)
     _check_graph("hvd.grouped_reducescatter")
     with wire_name("GroupedReducescatter", name, ignore_name_scope, set_id) as (wire, cacheable):

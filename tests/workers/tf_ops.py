@@ -839,6 +839,14 @@ def check_one_rank_errors():
                   "broadcast_ of no variables on the last rank",
                   ["Mismatched grouped BROADCAST", "with no tensors (an empty list)"])
     hvd.broadcast_variables([], 0)
+    for fn, n in ((hvd.grouped_allreduce, "ALLREDUCE"), (hvd.grouped_allgather, "ALLGATHER"),
+                  (hvd.grouped_reducescatter, "REDUCESCATTER")):
+        expect_raises(tf.errors.FailedPreconditionError,
+                      lambda: fn([] if odd else [tf.ones(2 * SIZE)] * 2, name=f"empty.{n}"),
+                      f"{fn.__name__} of no tensors on the last rank",
+                      [f"Mismatched grouped {n} in group 'empty.{n}'", "with 2 tensors",
+                       f"rank {SIZE - 1} with no tensors (an empty list)"])
+        assert list(fn([], name=f"none.{n}")) == [], f"{fn.__name__}([]) on every rank"
     hvd.broadcast_variables(vs[:2], 0)             # used alike afterwards
     same(hvd.allreduce(tf.ones(3), name="onerank.ar", op=hvd.Sum), np.full(3, SIZE, np.float32),
          "'onerank.ar' used alike afterwards")
