@@ -147,3 +147,20 @@ def test_tf_eager_ops_table_shows_each_call_against_its_peer(tmp_path):
     assert lines[2] == "| hvd.allreduce, 4 KiB | 250.0 | torch frontend, same call | 100.0 | " \
                        "**2.50** (2.00–3.00) |"
     assert report.tf_eager_ops(str(tmp_path / "missing")) == []
+
+
+def test_two_rank_nccl_row_judges_the_step_and_the_largest_allreduce(tmp_path):
+    """gpu.sh's two ranks under their own NCCL_HOSTIDs fill the two-rank NCCL target's row:
+    the step against DDP on NCCL, the largest allreduce against raw (queued, waited per call,
+    and with async completion), and the setting named as the limit."""
+    bw = {"bytes": 64 << 20, "ratio": 0.96, "ratio_waited": 0.97, "ratio_async": 0.93}
+    (tmp_path / "gpu_np2_nccl_hostid.json").write_text(json.dumps({
+        "ranks": 2, "peer": "torch.distributed nccl", "gpu": "NVIDIA H200", "nccl_hostid": True,
+        "train": {"resnet": {"ratio": 1.30, "floor": 0.59},
+                  "transformer": {"ratio": 0.90, "floor": 0.34}},
+        "busbw": [dict(bw, bytes=1 << 20, ratio=0.5), bw]}))
+    row = report.targets(str(tmp_path))[-1]
+    assert row.count("|") == 5, row
+    assert "| 1.30 / 0.90 (step), 0.96 (64 MiB; 0.97 of raw waited per call), 0.93 with " \
+           "async completion (NVIDIA H200 on one GPU, two ranks with an NCCL_HOSTID each" in row
+    assert "| no / yes ; yes ; no | a time-sliced GPU and loopback sockets" in row

@@ -1,8 +1,10 @@
 """NCCL transport for CUDA tensors; runs where GPUs are present and skips elsewhere.
 
-With one GPU, two tests still run: a one-rank job whose CUDA communicator is a real
-NCCLCommunicator (NCCL refuses two ranks on one GPU, so one rank is the most NCCL allows there),
-and two ranks sharing the GPU, which hvdlite must detect and serve through host memory.
+With one GPU these still run: a one-rank job whose CUDA communicator is a real
+NCCLCommunicator; two ranks sharing the GPU, which hvdlite must detect and serve through host
+memory (NCCL refuses two ranks of one host on one GPU); and two ranks sharing it under their own
+NCCL_HOSTIDs, which NCCL takes for two hosts and connects over loopback sockets: a real two-rank
+NCCL communicator, which hvdlite must use.
 """
 import pytest
 import torch
@@ -58,3 +60,19 @@ def test_one_rank_job_with_cuda_tensors():
     and every collective still returns the reference result on the caller's stream."""
     proc = hvdlite_run("nccl_worker.py", np=1, timeout=200)
     assert _ok(proc, 1) == ["SelfCommunicator"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("completion", ["blocking", "async"])
+def test_two_rank_nccl_job_on_one_gpu_with_nccl_hostids(completion):
+    """The two-rank NCCL path on a machine with one GPU: each rank its own NCCL_HOSTID (set by
+    the worker from HOROVOD_RANK), NCCL's socket transport on loopback. Every collective, a
+    joined rank's zeros on its GPU, and the communicator built on the rank's own device; with
+    HOROVOD_ENABLE_ASYNC_COMPLETION=1 too, where a handle completes once its work is queued and
+    waiting on it makes the caller's side stream wait for the results."""
+    proc = hvdlite_run("nccl_worker.py", np=2, timeout=150,
+                       env={"HVDLITE_TEST_NCCL_HOSTID": "1", "NCCL_SOCKET_IFNAME": "lo",
+                            "NCCL_IB_DISABLE": "1",
+                            "HOROVOD_ENABLE_ASYNC_COMPLETION": str(int(completion == "async"))})
+    assert _ok(proc, 2) == ["NCCLCommunicator"] * 2
+    assert "share a GPU" not in proc.stdout + proc.stderr

@@ -529,3 +529,21 @@ def test_hang_report_skips_collectives_that_already_failed():
     dumps[1]["records"][-1] = rec("loss", "enqueued")
     assert "waits on the same collective: allreduce 'loss'" in divergence(dumps)
     assert divergence({0: {"records": [old]}, 1: {"records": [old]}}) is None
+
+
+def test_a_gpu_response_builds_the_communicator_on_this_ranks_own_gpu():
+    """A response carries the device index of the request it was built from (the first rank's);
+    the communicator must be built on this rank's GPU, named by its own requests (on a host of
+    several GPUs rank 1 built its NCCL communicator on cuda:0, found itself "sharing" GPU 0 and
+    was moved to host memory), and a joined rank with no tensor in it takes its current device."""
+    from hvdlite.common.engine import Entry, own_device
+    from hvdlite.common.messages import Request
+
+    resp = Response(type=ALLREDUCE, names=["w", "b"], shapes=[(4,), (2,)], device=0)
+    mine = [Entry(request=Request(rank=1, name=n, type=ALLREDUCE, shape=s, device=3))
+            for n, s in (("w", (4,)), ("b", (2,)))]
+    assert own_device(resp, mine) == 3
+    assert own_device(resp, [None, mine[1]]) == 3
+    assert own_device(resp, [None, None]) == -1          # joined: the current device
+    cpu = Response(type=ALLREDUCE, names=["w"], shapes=[(4,)])
+    assert own_device(cpu, [Entry(request=Request(rank=1, name="w", type=ALLREDUCE, shape=(4,)))]) == -1

@@ -185,6 +185,8 @@ class Executor:
         self.in_place_sequences = 0
         # GPU allreduces staged through pinned host memory (_fused_staged).
         self.staged_allreduces = 0
+        # HOROVOD_ENABLE_ASYNC_COMPLETION (gpu_done): set by the engine from its settings.
+        self.async_completion = False
 
     def _tl(self, names, label):
         if self.timeline is not None and self.timeline.enabled:
@@ -653,8 +655,10 @@ def run(executor: Executor, comm, resp: Response, entries: list):
         dtype = DTYPES[resp.dtype]
         outputs = [e.output if e is not None else None for e in entries]
         if any(i is None for i in inputs):
-            # A joined rank contributes zeros of the agreed shape.
-            inputs = [i if i is not None else torch.zeros(s, dtype=dtype)
+            # A joined rank contributes zeros of the agreed shape, on the communicator's
+            # device: NCCL takes only tensors on its own GPU (host zeros failed the others'
+            # GPU allreduce); a host transport, staged GPU tensors included, takes host ones.
+            inputs = [i if i is not None else torch.zeros(s, dtype=dtype, device=comm.device)
                       for i, s in zip(inputs, resp.shapes)]
         if resp.reduce_op == ADASUM:
             yield from executor.adasum(comm, resp, inputs, outputs)   # Adasum hook
@@ -682,3 +686,56 @@ def run(executor: Executor, comm, resp: Response, entries: list):
         entries[0].extra = splits
     else:
         raise ValueError(f"unknown collective type {t}")
+    if resp.device >= 0:
+        for e in entries:
+            if e is not None and e.tensor is not None and e.tensor.is_cuda:
+                gpu_done(executor, entries, e.tensor.device)
+                break
+
+
+def gpu_done(executor: Executor, entries: list, device: torch.device) -> None:
+    """Make a GPU collective's results safe to hand over.
+
+    What ran after the transport's work (a fused response's copies out of its buffer, an
+    average's scaling, a widened dtype's copy back) is only queued on this thread's stream,
+    which the caller's stream does not wait for. By default (Horovod's) block until it has run,
+    so a completed handle means the result is there, on whichever stream the caller reads it.
+    (Without this, two ranks on NCCL read their fused allreduces' outputs before the copies out
+    had run: stale values.) With async completion (HOROVOD_ENABLE_ASYNC_COMPLETION=1), record
+    an event instead, which Handle.wait makes the caller's current stream wait for: no thread
+    blocks on the GPU, and the caller's next kernels queue behind the result as DDP's do. The
+    inputs are marked as used on this stream, so that the allocator does not give their memory
+    to a caller's stream before the copies that read them have run."""
+    stream = torch.cuda.current_stream(device)
+    if not executor.async_completion:
+        stream.synchronize()
+        return
+    done = torch.cuda.Event()
+    done.record(stream)
+    for e in entries:
+        if e is not None:
+            if e.tensor is not None and e.tensor.is_cuda:
+                e.tensor.record_stream(stream)
+            e.gpu_done = (done, device)
+            if e.handle is not None:
+                e.handle.gpu_pending = True
+
+
+def await_gpu(entries: list) -> None:
+    """Async completion (collectives.gpu_done): make the waiting thread's current stream wait
+    for each response's results, and mark those the engine made (allgather, reducescatter,
+    alltoall outputs) as used on that stream, so that the allocator does not give their memory
+    back to the engine's stream before the caller's reads of them have run."""
+    seen: set = set()
+    for e in entries:
+        done = e.gpu_done
+        if done is None:
+            continue
+        event, device = done
+        caller = torch.cuda.current_stream(device)
+        if id(event) not in seen:
+            seen.add(id(event))
+            caller.wait_event(event)
+        result = e.result[0] if isinstance(e.result, tuple) else e.result
+        if isinstance(result, torch.Tensor) and result.is_cuda:
+            result.record_stream(caller)

@@ -92,6 +92,10 @@ VARIABLES: tuple[Var, ...] = (
        "when the ranks set up (once a process). The ranks agree: the largest any rank sets", _L,
        choices=("auto",), or_size=True),
     _v("DISABLE_GROUP_FUSION", "bool", False, "grouped tensors fuse only with their own group"),
+    _v("ENABLE_ASYNC_COMPLETION", "bool", False, "GPU collectives complete once queued on the "
+       "GPU: waiting on a handle makes the caller's current CUDA stream wait for the result "
+       "instead of blocking the thread until the GPU has it (Horovod's; the result is then "
+       "ready on that stream only)"),
     _v("HIERARCHICAL_ALLREDUCE", "bool", False,
        "reduce within each host, allreduce across hosts, broadcast within each host"),
     _v("HIERARCHICAL_ALLGATHER", "bool", False,
@@ -466,6 +470,9 @@ class Settings:
     gloo_timeout_s: float = 30.0
     start_timeout_s: float = 30.0
     disable_group_fusion: bool = False
+    # GPU collectives complete once queued (collectives.gpu_done): Horovod's
+    # HOROVOD_ENABLE_ASYNC_COMPLETION, off by default as there.
+    async_completion: bool = False
     log_level: str = "WARNING"
     dynamic_process_sets: bool = False
     hierarchical_allreduce: bool = False   # hierarchical.py
@@ -502,6 +509,7 @@ class Settings:
         s.gloo_timeout_s = env_float("GLOO_TIMEOUT_SECONDS", s.gloo_timeout_s)
         s.start_timeout_s = env_float("START_TIMEOUT", s.start_timeout_s)
         s.disable_group_fusion = env_bool("DISABLE_GROUP_FUSION", False)
+        s.async_completion = env_bool("ENABLE_ASYNC_COMPLETION", False)
         s.log_level = (env("LOG_LEVEL") or s.log_level).upper()
         s.dynamic_process_sets = env_bool("DYNAMIC_PROCESS_SETS", False)
         s.hierarchical_allreduce = env_bool("HIERARCHICAL_ALLREDUCE", False)

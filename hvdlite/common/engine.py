@@ -94,7 +94,7 @@ class Handle:
     """Completion of one enqueue call (one or more tensors)."""
 
     __slots__ = ("_latch", "_set", "_pending", "entries", "error", "_lock", "callbacks",
-                 "_release", "mismatch", "_on_wait", "_on_abandon")
+                 "_release", "mismatch", "_on_wait", "_on_abandon", "gpu_pending")
 
     def __init__(self, entries: list):
         # Completion: a flag, and a lock held until then that waiters block on. A
@@ -115,6 +115,9 @@ class Handle:
         self._on_wait: Callable[["Handle"], None] | None = None
         # Called if an exception from outside (Ctrl-C) ends a wait first (Engine._orphan).
         self._on_abandon: Callable[["Handle"], None] | None = None
+        # Async completion: some results are still being computed on the GPU; wait() makes the
+        # caller's stream wait for them (collectives.gpu_done).
+        self.gpu_pending = False
 
     def done(self) -> bool:
         return self._set
@@ -233,6 +236,8 @@ class Handle:
             release()
         if self.error is not None:
             raise (HorovodMismatchError if self.mismatch else HorovodInternalError)(self.error)
+        if self.gpu_pending:
+            collectives.await_gpu(self.entries)
         return [e.result for e in self.entries]
 
     def names(self) -> list:
@@ -268,6 +273,18 @@ class Finished:
         return [e.request.name for e in self.entries[:4]]
 
 
+def own_device(resp: Response, entries: list) -> int:
+    """The CUDA device index of this rank's own tensors in `resp` (-1: a CPU response, or a
+    GPU one this rank has no tensor in, having joined: its current device is meant).
+    `resp.device` is the first rank's index, not this rank's (Engine._comm says why)."""
+    if resp.device < 0:
+        return -1
+    for e in entries:
+        if e is not None:
+            return e.request.device
+    return -1
+
+
 @dataclass(slots=True)
 class Entry:
     request: Request
@@ -279,6 +296,7 @@ class Entry:
     sent_bit: int = -1            # the cache bit sent instead of the request, if any
     ready_event: Any = None       # CUDA input: event recorded on the caller's stream
     flight: Any = None            # this collective's flight-recorder record
+    gpu_done: Any = None          # async completion: (CUDA event, device) of the results
     seq: int = 0                  # submission order on this rank (bucket passes)
     planned: bool = False         # the bucket planner has seen it (buckets.py)
 
@@ -308,6 +326,7 @@ class Engine:
         self.cycle_s = max(settings.cycle_time_ms, 0.0) / 1000.0
         self.cache = RankCache()
         self.executor = collectives.Executor(timeline)
+        self.executor.async_completion = getattr(settings, "async_completion", False)
         self.comms: dict[int, Any] = {}
         self.joined = False
         self._lock = threading.Lock()
@@ -1822,11 +1841,20 @@ class Engine:
         with self._lock:
             return [self._inflight.pop((set_id, n), None) for n in names]
 
-    def _comm(self, set_id: int, device: int = -1):
-        """The set's communicator for CPU tensors, or for GPU ones (device >= 0)."""
-        kind = "cuda" if device >= 0 else "cpu"
+    def _comm(self, set_id: int, resp: Response, entries: list):
+        """The set's communicator for `resp`'s tensors: the CPU one, or the GPU one built on
+        this rank's own GPU.
+
+        Why not `resp.device`: a response carries the device index of the request it was built
+        from, the first rank's (cuda:0 on a host of several GPUs), so rank 1 built its NCCL
+        communicator on cuda:0, named GPU 0 when the ranks compared GPUs, was found "sharing" it
+        with rank 0 and was moved to host memory. Each rank's own requests name its GPU; a rank
+        with none in this response (it joined) builds on its current device (Horovod's
+        `torch.cuda.set_device(hvd.local_rank())`)."""
+        kind = "cuda" if resp.device >= 0 else "cpu"
         comm = self.comms.get((set_id, kind))
         if comm is None:
+            device = own_device(resp, entries)
             comm = self.comms[(set_id, kind)] = self.comm_factory(set_id, self.set_ranks[set_id],
                                                                    kind, device)
         return comm
@@ -1905,7 +1933,7 @@ class Engine:
             self._in_transport[seq] = [e for e in entries if e is not None]
         gen, box = None, [None]
         try:
-            comm = self._comm(set_id, resp.device)
+            comm = self._comm(set_id, resp, entries)
             gen = collectives.run(self.executor, comm, resp, entries)
             work = box[0] = next(gen)
             while work is DONE:  # a one-rank set: nothing to wait for, finish here

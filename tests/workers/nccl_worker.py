@@ -6,15 +6,24 @@ Modes (environment):
   HVDLITE_TEST_NCCL_ONE_RANK=1  one rank, with the job's one-rank CUDA communicator replaced by a
                               real one-rank NCCLCommunicator, so hvdlite's NCCL code runs on a
                               machine with a single GPU (NCCL refuses two ranks on one GPU).
+  HVDLITE_TEST_NCCL_HOSTID=1  every rank uses GPU 0 under its own NCCL_HOSTID: NCCL takes the
+                              ranks for hosts of their own and connects them over loopback
+                              sockets, so a real multi-rank NCCL communicator runs on one GPU,
+                              and hvdlite must hand them to NCCL instead of staging.
 Prints "OK <communicator class of the CUDA tensors>".
 """
 import os
+
+if os.environ.get("HVDLITE_TEST_NCCL_HOSTID") == "1":
+    # Before anything starts NCCL: it reads its host id once per process.
+    os.environ["NCCL_HOSTID"] = f"hvdlite-test-rank{os.environ['HOROVOD_RANK']}"
 
 import torch
 
 import hvdlite.torch as hvd
 
 shared = os.environ.get("HVDLITE_TEST_SHARED_GPU") == "1"
+hostids = os.environ.get("HVDLITE_TEST_NCCL_HOSTID") == "1"
 if os.environ.get("HVDLITE_TEST_NCCL_ONE_RANK") == "1":
     import hvdlite.common.backends.select as select
     from hvdlite.common.backends import nccl
@@ -35,7 +44,7 @@ if os.environ.get("HVDLITE_TEST_NCCL_ONE_RANK") == "1":
 
 hvd.init()
 r, s = hvd.rank(), hvd.size()
-dev = torch.device("cuda", 0 if shared else hvd.local_rank())
+dev = torch.device("cuda", 0 if shared or hostids else hvd.local_rank())
 torch.cuda.set_device(dev)
 root = s - 1
 stream = torch.cuda.Stream()
@@ -70,8 +79,9 @@ with torch.cuda.stream(stream):
     assert torch.equal(rs.cpu(), torch.full((2,), float(s)))
     a = hvd.alltoall(torch.full((s,), float(r), device=dev), name="a2a")
     assert torch.equal(a.cpu(), torch.arange(s, dtype=torch.float32))
-    if shared:
-        # A rank that joined contributes zeros (on the host) to the others' CUDA allreduces.
+    if shared or hostids:
+        # A rank that joined contributes zeros to the others' CUDA allreduces (on the host when
+        # they are staged, on its GPU for NCCL).
         if r == 0:
             for k in range(3):
                 x = torch.full((64,), float(k), device=dev)
@@ -84,5 +94,8 @@ comm = basics._require().engine.comms.get((0, "cuda"))
 if shared:
     # Fused CUDA allreduces went through pinned host memory in one copy each way.
     assert basics.engine_counters()["staged_allreduces"] > 0, basics.engine_counters()
+if hostids:
+    # Built on this rank's own GPU, whichever rank's request the responses were built from.
+    assert comm.device == str(dev), (comm.device, dev)
 print("OK", type(comm).__name__, flush=True)
 hvd.shutdown()

@@ -2,12 +2,15 @@
 
 Used for responses whose tensors live on a GPU when torch was built with NCCL; CPU tensors keep
 using gloo or MPI. Work objects are torch's: `.wait()` makes the waiting thread's current stream
-wait for NCCL's, so the finisher synchronizes that stream before it completes a handle — a
-finished handle means the result is really there, whichever stream the caller uses next.
+wait for NCCL's, without blocking the thread, so what the collective does next on that stream (a
+fused response's copies out, an average's scaling) runs after NCCL; `collectives.run` blocks on
+that stream once at the end, before the handle completes — a finished handle means the result is
+really there, whichever stream the caller uses next.
 """
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 
 import torch
@@ -22,12 +25,24 @@ def available() -> bool:
     return torch.cuda.is_available() and dist.is_nccl_available()
 
 
+def nccl_host() -> str:
+    """The host as NCCL tells hosts apart: `NCCL_HOSTID` where it is set, else the host name.
+
+    NCCL refuses two ranks on one GPU only when it takes them for ranks of one host (same host
+    hash, same bus id); ranks given different `NCCL_HOSTID`s are "hosts" of their own to it,
+    and it connects them through its network transport (sockets on loopback). That is how a
+    multi-rank NCCL job is tested on a machine with one GPU, and hvdlite must then let NCCL
+    have them rather than stage their tensors through host memory."""
+    return os.environ.get("NCCL_HOSTID") or socket.gethostname()
+
+
 def gpu_id(device: int) -> str:
-    """A name for this rank's GPU that is the same in every process that uses it: the device
-    UUID (CUDA_VISIBLE_DEVICES renumbers devices per process, so an index would not do)."""
+    """A name for this rank's GPU that is the same in every process that NCCL would refuse to
+    put on it together: NCCL's host (nccl_host) and the device UUID (CUDA_VISIBLE_DEVICES
+    renumbers devices per process, so an index would not do)."""
     index = device if device >= 0 else torch.cuda.current_device()
     uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
-    return f"{socket.gethostname()}/{uuid if uuid is not None else index}"
+    return f"{nccl_host()}/{uuid if uuid is not None else index}"
 
 
 def shared_gpus(store, prefix: str, rank: int, size: int, device: int) -> list[list[int]]:
@@ -43,7 +58,8 @@ def shared_gpus(store, prefix: str, rank: int, size: int, device: int) -> list[l
 
 
 class _Synced:
-    """Wait for NCCL, then block until the current stream (copies included) has caught up."""
+    """Order the waiting thread's stream after NCCL's (and a widened result's copy back after
+    that); the host is not blocked here but once per collective, in `collectives.run`."""
 
     def __init__(self, device: torch.device, work, wide: torch.Tensor | None = None,
                  out: torch.Tensor | None = None):
@@ -55,7 +71,6 @@ class _Synced:
             self.work.wait()
             if self.wide is not None:
                 self.out.copy_(self.wide)
-            torch.cuda.current_stream(self.device).synchronize()
 
 
 class NCCLCommunicator:

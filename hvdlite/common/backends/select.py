@@ -65,7 +65,8 @@ def comm_factory(transport: str, *, store, prefix: str, world, rank: int,
                 log.warning(
                     "%s share a GPU: NCCL needs one GPU per rank, so hvdlite moves this process "
                     "set's CUDA tensors through host memory over %s (slower). To use NCCL, give "
-                    "each rank its own GPU: torch.cuda.set_device(hvd.local_rank()).",
+                    "each rank its own GPU: torch.cuda.set_device(hvd.local_rank()). (To test "
+                    "NCCL with ranks on one GPU, give each rank its own NCCL_HOSTID.)",
                     groups, transport)
         if transport == "mpi":
             # (Only one communicator may have an in-order duplicate: backends/mpi.py.)
