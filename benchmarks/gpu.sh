@@ -5,7 +5,9 @@
 #
 # Ranks: one per GPU. With one GPU: 1 rank (against DDP on NCCL), then 2 ranks sharing it; NCCL
 # refuses two ranks on one GPU, so there hvdlite stages CUDA tensors through host memory and the
-# peer is DDP / torch.distributed on gloo with the same CUDA tensors.
+# peer is DDP / torch.distributed on gloo with the same CUDA tensors. Last, the same 2 ranks with
+# an NCCL_HOSTID each, which NCCL serves as two hosts over loopback sockets: both hvdlite and the
+# peer on a real two-rank NCCL communicator (fewer steps, up to 64 MiB: the GPU is time-sliced).
 # Without a GPU it runs the same code on CPU/gloo with small sizes and says so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +27,13 @@ if [ "$GPUS" -gt 0 ]; then
   if [ "$GPUS" -eq 1 ]; then
     echo "== 2 ranks sharing GPU 0 (hvdlite stages through host memory; the peer is gloo)"
     "${RUN[@]}" -np 2 "$PY" benchmarks/gpu.py --json "$OUT/gpu_np2_shared.json"
+    echo "== 2 ranks sharing GPU 0 over NCCL: each rank its own NCCL_HOSTID, so NCCL connects them"
+    echo "   through its socket transport on loopback (the GPU is time-sliced between them)"
+    NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-lo}" NCCL_IB_DISABLE="${NCCL_IB_DISABLE:-1}" \
+      timeout "${HOSTID_TIMEOUT:-300}" "${RUN[@]}" -np 2 \
+      bash -c 'NCCL_HOSTID="hvdlite-bench-rank$HOROVOD_RANK" exec "$0" "$@"' \
+      "$PY" benchmarks/gpu.py --steps 3 --top-mib 64 --json "$OUT/gpu_np2_nccl_hostid.json" \
+      || echo "the NCCL_HOSTID run failed or timed out (exit $?)"
   fi
 else
   echo "no GPU: ran the CPU fallback (gloo, CPU tensors, small models and sizes)"

@@ -28,8 +28,11 @@ def _load(root: str, name: str):
 
 
 # Where the GPU figures come from: a run_all.sh on a GPU host writes gpu_np1.json; the last
-# GPU host's results were kept under the second name.
-GPU_RESULTS = ("gpu_np1", "gpu_h100_latest_np1")
+# GPU hosts' results were kept under the other names, newest first.
+GPU_RESULTS = ("gpu_np1", "gpu_h200_latest_np1", "gpu_h100_latest_np1")
+# Two ranks on NCCL: gpu.sh on a host of two GPUs writes gpu_np2.json; on one GPU, its run of
+# two ranks under their own NCCL_HOSTIDs writes gpu_np2_nccl_hostid.json.
+NCCL2_RESULTS = ("gpu_np2", "gpu_np2_nccl_hostid", "gpu_h200_latest_np2_nccl_hostid")
 
 
 def _yes(ok: bool) -> str:
@@ -145,10 +148,39 @@ def targets(root: str) -> list[str]:
                    + " / ".join(_yes(r["ratio"] <= 0.95) for r in rs) + " | "
                    + "; ".join(f"its step with no communication: {r['floor']:.3f} of DDP's"
                                for r in rs if r["ratio"] > 0.95) + " |")
-    if gpu is None or gpu.get("ranks", 1) < 2:
+    two = next((d for d in (_load(root, n) for n in NCCL2_RESULTS)
+                if d is not None and d.get("ranks", 1) >= 2 and d.get("peer", "").endswith("nccl")),
+               None)
+    if two is None:
         out.append("| two ranks on NCCL: step and bus bandwidth ≥ 0.95 × raw | not run | "
                    "blocked | needs a host with two GPUs |")
+    else:
+        out.append(_two_rank_nccl(two))
     return out
+
+
+def _two_rank_nccl(d: dict) -> str:
+    """The two-rank NCCL target's row: the step against DDP on NCCL, and the bus bandwidth of
+    the largest allreduce against raw torch.distributed (queued calls; and each call waited
+    for, as a blocking hvd.allreduce_ is; with async completion, queued as raw's are)."""
+    rs = [d["train"][k] for k in ("resnet", "transformer") if k in d["train"]]
+    bw = d["busbw"][-1] if d["busbw"] else None
+    shown = [" / ".join(_vs(r["ratio"], 0.95) for r in rs) + " (step)"]
+    met = [" / ".join(_yes(r["ratio"] <= 0.95) for r in rs)]
+    if bw is not None:
+        size = f"{bw['bytes'] >> 20} MiB"
+        shown.append(f"{_vs(bw['ratio'], 0.95)} ({size}; {bw.get('ratio_waited', 0):.2f} of raw "
+                     f"waited per call)")
+        met.append(_yes(bw["ratio"] >= 0.95))
+        if "ratio_async" in bw:
+            shown.append(f"{_vs(bw['ratio_async'], 0.95)} with async completion")
+            met.append(_yes(bw["ratio_async"] >= 0.95))
+    where = (" on one GPU, two ranks with an NCCL_HOSTID each (NCCL's sockets on loopback, "
+             "the GPU time-sliced between them)") if d.get("nccl_hostid") else ""
+    limit = ("a time-sliced GPU and loopback sockets, not two GPUs: a host with two GPUs "
+             "measures the real thing") if d.get("nccl_hostid") else ""
+    return (f"| two ranks on NCCL: step ≤ 0.95 × DDP and bus bandwidth ≥ 0.95 × raw | "
+            f"{', '.join(shown)} ({d['gpu']}{where}) | {' ; '.join(met)} | {limit} |")
 
 
 def _agreed_floor(r: dict) -> str:
