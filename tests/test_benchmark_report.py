@@ -161,6 +161,8 @@ def test_two_rank_nccl_row_judges_the_step_and_the_largest_allreduce(tmp_path):
         "busbw": [dict(bw, bytes=1 << 20, ratio=0.5), bw]}))
     row = report.targets(str(tmp_path))[-1]
     assert row.count("|") == 5, row
-    assert "| 1.30 / 0.90 (step), 0.96 (64 MiB; 0.97 of raw waited per call), 0.93 with " \
-           "async completion (NVIDIA H200 on one GPU, two ranks with an NCCL_HOSTID each" in row
-    assert "| no / yes ; yes ; no | a time-sliced GPU and loopback sockets" in row
+    assert "| 1.30 / 0.90 (step), 0.96 at 64 MiB (0.97 of raw waited per call; 0.93 with " \
+           "async completion) (NVIDIA H200: two ranks on its one GPU, an NCCL_HOSTID each) |" \
+           in row
+    assert "| no / yes ; yes | loopback sockets and a GPU time-sliced" in row
+    assert "(no comm / DDP: 0.59 / 0.34) |" in row

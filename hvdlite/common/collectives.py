@@ -187,6 +187,14 @@ class Executor:
         self.staged_allreduces = 0
         # HOROVOD_ENABLE_ASYNC_COMPLETION (gpu_done): set by the engine from its settings.
         self.async_completion = False
+        self._gpu_streams: dict = {}
+
+    def gpu_stream(self, device: torch.device):
+        """The engine's own CUDA stream on `device` (run's on_stream), made on first use."""
+        stream = self._gpu_streams.get(device.index)
+        if stream is None:
+            stream = self._gpu_streams[device.index] = torch.cuda.Stream(device)
+        return stream
 
     def _tl(self, names, label):
         if self.timeline is not None and self.timeline.enabled:
@@ -645,7 +653,36 @@ class Executor:
 def run(executor: Executor, comm, resp: Response, entries: list):
     """Generator executing `resp` on `comm`: yields each pending transport work; when exhausted,
     every entry's result is stored (entries[i] may be None when this rank has joined and
-    contributes zeros)."""
+    contributes zeros). A response on a GPU communicator (NCCL) runs its GPU work on the
+    engine's own stream of that GPU (on_stream says why)."""
+    if resp.device >= 0 and comm.device.startswith("cuda"):
+        return on_stream(_run(executor, comm, resp, entries),
+                         executor.gpu_stream(torch.device(comm.device)))
+    return _run(executor, comm, resp, entries)
+
+
+def on_stream(gen, stream):
+    """Drive the generator `gen` with `stream` current on whichever thread resumes it (the
+    background thread starts a collective, the finisher resumes it after each transport wait).
+
+    Why: the engine's threads otherwise queue their GPU work (packing gradients into a fusion
+    buffer, the copies out, the scaling) on the GPU's default stream, which is the training
+    loop's too; the autograd thread runs ahead of the GPU, so by the time a bucket of gradients
+    was negotiated the rest of the backward pass was already queued there, and the bucket's
+    packing, and its NCCL call behind it, ran only after the whole backward pass: no overlap.
+    On a stream of its own the packing waits only for its gradients (their ready events), as
+    DDP's copies into its buckets do."""
+    value = None
+    while True:
+        with torch.cuda.stream(stream):
+            try:
+                work = gen.send(value)
+            except StopIteration as stop:
+                return stop.value
+        value = yield work
+
+
+def _run(executor: Executor, comm, resp: Response, entries: list):
     t = resp.type
     for e in entries:
         if e is not None and e.ready_event is not None:
@@ -703,18 +740,20 @@ def gpu_done(executor: Executor, entries: list, device: torch.device) -> None:
     (Without this, two ranks on NCCL read their fused allreduces' outputs before the copies out
     had run: stale values.) With async completion (HOROVOD_ENABLE_ASYNC_COMPLETION=1), record
     an event instead, which Handle.wait makes the caller's current stream wait for: no thread
-    blocks on the GPU, and the caller's next kernels queue behind the result as DDP's do. The
-    inputs are marked as used on this stream, so that the allocator does not give their memory
-    to a caller's stream before the copies that read them have run."""
+    blocks on the GPU, and the caller's next kernels queue behind the result as DDP's do; the
+    inputs are then marked as used on this stream, so that the allocator does not give their
+    memory to a caller's stream before the copies that read them have run. In both modes the
+    handle's wait() marks the results as used on the caller's stream (await_gpu)."""
     stream = torch.cuda.current_stream(device)
-    if not executor.async_completion:
+    done = None
+    if executor.async_completion:
+        done = torch.cuda.Event()
+        done.record(stream)
+    else:
         stream.synchronize()
-        return
-    done = torch.cuda.Event()
-    done.record(stream)
     for e in entries:
         if e is not None:
-            if e.tensor is not None and e.tensor.is_cuda:
+            if done is not None and e.tensor is not None and e.tensor.is_cuda:
                 e.tensor.record_stream(stream)
             e.gpu_done = (done, device)
             if e.handle is not None:
@@ -722,10 +761,11 @@ def gpu_done(executor: Executor, entries: list, device: torch.device) -> None:
 
 
 def await_gpu(entries: list) -> None:
-    """Async completion (collectives.gpu_done): make the waiting thread's current stream wait
-    for each response's results, and mark those the engine made (allgather, reducescatter,
-    alltoall outputs) as used on that stream, so that the allocator does not give their memory
-    back to the engine's stream before the caller's reads of them have run."""
+    """Hand GPU results to the waiting thread (gpu_done): with async completion, make its
+    current stream wait for each response's results; in both modes, mark the results the
+    engine made on its own stream (allgather, reducescatter, alltoall outputs) as used on the
+    caller's, so that the allocator does not give their memory back to the engine's stream
+    before the caller's reads of them have run."""
     seen: set = set()
     for e in entries:
         done = e.gpu_done
@@ -733,7 +773,7 @@ def await_gpu(entries: list) -> None:
             continue
         event, device = done
         caller = torch.cuda.current_stream(device)
-        if id(event) not in seen:
+        if event is not None and id(event) not in seen:
             seen.add(id(event))
             caller.wait_event(event)
         result = e.result[0] if isinstance(e.result, tuple) else e.result

@@ -64,10 +64,12 @@ class _Synced:
     def __init__(self, device: torch.device, work, wide: torch.Tensor | None = None,
                  out: torch.Tensor | None = None):
         self.device, self.work, self.wide, self.out = device, work, wide, out
+        # The stream that launched it (the engine's, collectives.on_stream): the one that must
+        # wait, whichever thread calls wait() and whatever stream is current there.
+        self.stream = torch.cuda.current_stream(device)
 
     def wait(self) -> None:
-        # The waiting thread's current device is not necessarily this rank's GPU: name it.
-        with torch.cuda.device(self.device):
+        with torch.cuda.stream(self.stream):
             self.work.wait()
             if self.wide is not None:
                 self.out.copy_(self.wide)
