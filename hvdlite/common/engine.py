@@ -115,8 +115,8 @@ class Handle:
         self._on_wait: Callable[["Handle"], None] | None = None
         # Called if an exception from outside (Ctrl-C) ends a wait first (Engine._orphan).
         self._on_abandon: Callable[["Handle"], None] | None = None
-        # Async completion: some results are still being computed on the GPU; wait() makes the
-        # caller's stream wait for them (collectives.gpu_done).
+        # Results of a GPU response: wait() hands them to the caller's stream (waits for them
+        # there with async completion; collectives.gpu_done and await_gpu).
         self.gpu_pending = False
 
     def done(self) -> bool:
@@ -296,7 +296,7 @@ class Entry:
     sent_bit: int = -1            # the cache bit sent instead of the request, if any
     ready_event: Any = None       # CUDA input: event recorded on the caller's stream
     flight: Any = None            # this collective's flight-recorder record
-    gpu_done: Any = None          # async completion: (CUDA event, device) of the results
+    gpu_done: Any = None          # GPU results: (CUDA event, or None once synced; device)
     seq: int = 0                  # submission order on this rank (bucket passes)
     planned: bool = False         # the bucket planner has seen it (buckets.py)
 

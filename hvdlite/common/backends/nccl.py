@@ -1,11 +1,13 @@
 """NCCL transport for CUDA tensors: torch's ProcessGroupNCCL over the job's c10d store.
 
 Used for responses whose tensors live on a GPU when torch was built with NCCL; CPU tensors keep
-using gloo or MPI. Work objects are torch's: `.wait()` makes the waiting thread's current stream
-wait for NCCL's, without blocking the thread, so what the collective does next on that stream (a
-fused response's copies out, an average's scaling) runs after NCCL; `collectives.run` blocks on
-that stream once at the end, before the handle completes — a finished handle means the result is
-really there, whichever stream the caller uses next.
+using gloo or MPI. The engine launches each call from its own stream (`collectives.on_stream`).
+Work objects are torch's: `.wait()`, made on that stream, orders it after NCCL's without
+blocking the thread, so what the collective does next there (a fused response's copies out, an
+average's scaling) runs after NCCL; `collectives.gpu_done` blocks on that stream once at the
+end, before the handle completes — a finished handle means the result is really there,
+whichever stream the caller uses next (or, with HOROVOD_ENABLE_ASYNC_COMPLETION=1, queued
+behind an event the caller's stream waits for).
 """
 from __future__ import annotations
 
@@ -58,8 +60,9 @@ def shared_gpus(store, prefix: str, rank: int, size: int, device: int) -> list[l
 
 
 class _Synced:
-    """Order the waiting thread's stream after NCCL's (and a widened result's copy back after
-    that); the host is not blocked here but once per collective, in `collectives.run`."""
+    """Order the stream that launched the call after NCCL's (and a widened result's copy back
+    after that); the host is not blocked here but once per collective, in
+    `collectives.gpu_done`."""
 
     def __init__(self, device: torch.device, work, wide: torch.Tensor | None = None,
                  out: torch.Tensor | None = None):
