@@ -27,6 +27,11 @@ def _load(root: str, name: str):
         return json.load(f)
 
 
+def _first(root: str, names, keep=lambda d: True):
+    """The first of the result files `names` that exists and that `keep` accepts, else None."""
+    return next((d for d in (_load(root, n) for n in names) if d is not None and keep(d)), None)
+
+
 # Where the GPU figures come from: a run_all.sh on a GPU host writes gpu_np1.json; the last
 # GPU hosts' results were kept under the other names, newest first.
 GPU_RESULTS = ("gpu_np1", "gpu_h200_latest_np1", "gpu_h100_latest_np1")
@@ -140,7 +145,7 @@ def targets(root: str) -> list[str]:
         out.append(f"| steady state's work per cycle grows ≤ log2 N (× {bound:.0f} from "
                    f"{first['ranks']} to {last['ranks']} ranks) | × {grow:.1f} (the "
                    f"coordinator × {coord:.1f}) | {_yes(grow <= bound)} | |")
-    gpu = next((d for d in (_load(root, n) for n in GPU_RESULTS) if d is not None), None)
+    gpu = _first(root, GPU_RESULTS)
     if gpu is not None and gpu.get("train"):
         rs = [gpu["train"][k] for k in ("resnet", "transformer") if k in gpu["train"]]
         out.append("| GPU step ≤ 0.95 × DDP on NCCL, one GPU (CNN / transformer) | "
@@ -148,9 +153,8 @@ def targets(root: str) -> list[str]:
                    + " / ".join(_yes(r["ratio"] <= 0.95) for r in rs) + " | "
                    + "; ".join(f"its step with no communication: {r['floor']:.3f} of DDP's"
                                for r in rs if r["ratio"] > 0.95) + " |")
-    two = next((d for d in (_load(root, n) for n in NCCL2_RESULTS)
-                if d is not None and d.get("ranks", 1) >= 2 and d.get("peer", "").endswith("nccl")),
-               None)
+    two = _first(root, NCCL2_RESULTS,
+                 lambda d: d.get("ranks", 1) >= 2 and d.get("peer", "").endswith("nccl"))
     if two is None:
         out.append("| two ranks on NCCL: step and bus bandwidth ≥ 0.95 × raw | not run | "
                    "blocked | needs a host with two GPUs |")

@@ -66,9 +66,9 @@ class _Synced:
 
     def __init__(self, device: torch.device, work, wide: torch.Tensor | None = None,
                  out: torch.Tensor | None = None):
-        self.device, self.work, self.wide, self.out = device, work, wide, out
-        # The stream that launched it (the engine's, collectives.on_stream): the one that must
-        # wait, whichever thread calls wait() and whatever stream is current there.
+        self.work, self.wide, self.out = work, wide, out
+        # The stream that launched it on `device` (the engine's, collectives.on_stream): the
+        # one that must wait, whichever thread calls wait() and whatever stream is current there.
         self.stream = torch.cuda.current_stream(device)
 
     def wait(self) -> None:
