@@ -63,9 +63,11 @@ class Pipeline(_Construction, _Runtime, _StallDiagnostics, nn.Module):
             whole batch's mean, each micro-batch's loss weighted by its share of the targets'
             rows (loss_fn should return a mean); "sum": micro-batch losses are added.
         sample: one micro-batch of inputs, needed by balance="time".
-        timeout / warn_after: seconds a stage waits for one message before it raises
-            PipelineTimeoutError / logs which message it waits for (defaults: the engine's
-            HOROVOD_STALL_SHUTDOWN_TIME_SECONDS and HOROVOD_STALL_CHECK_TIME_SECONDS; 0 = never).
+        timeout: seconds a stage waits for one message before it raises
+            PipelineTimeoutError (default: the engine's HOROVOD_STALL_SHUTDOWN_TIME_SECONDS;
+            0 = never).
+        warn_after: seconds a stage waits for one message before it logs which message it
+            waits for (default: HOROVOD_STALL_CHECK_TIME_SECONDS; 0 = never).
 
     Constructing a Pipeline is a collective over the whole job (it registers the two-rank
     process sets the stages talk on): every rank builds its pipeline at the same point, with the
