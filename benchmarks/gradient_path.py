@@ -4,7 +4,7 @@ Run on 2 ranks: `hvdlite-run -np 2 python benchmarks/gradient_path.py`. A profil
 on every thread before `init()` (so the engine's and the coordinator's threads carry it too) and
 records only during one `loss.backward(); opt.step()` after a warm-up step; rank 0 prints the
 hvdlite files whose functions ran, in first-seen order, with the threads that ran them. The
-README's "How it works" section follows this path.
+docs/concepts.md ("One gradient, file by file") follows this path.
 """
 from __future__ import annotations
 

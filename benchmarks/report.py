@@ -1,9 +1,9 @@
-"""Markdown tables for the README from the JSON that `bash benchmarks/run_all.sh` writes.
+"""Markdown tables for docs/benchmarks.md from the JSON that `bash benchmarks/run_all.sh` writes.
 
     python benchmarks/report.py [benchmarks/results]            # every table
     python benchmarks/report.py [benchmarks/results] --glance   # the targets only
 
-Why: the README's figures should come from one run, copied without retyping. Every table shows
+Why: the published figures should come from one run, copied without retyping. Every table shows
 medians over alternating rounds with the min-max spread of the per-round ratios, as the
 benchmarks print them. A result file that is missing (MPI not installed, say) is skipped.
 """

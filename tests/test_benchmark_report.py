@@ -166,3 +166,18 @@ def test_two_rank_nccl_row_judges_the_step_and_the_largest_allreduce(tmp_path):
            in row
     assert "| no / yes ; yes | loopback sockets and a GPU time-sliced" in row
     assert "(no comm / DDP: 0.59 / 0.34) |" in row
+
+
+def test_docs_benchmark_tables_are_the_reports_of_the_committed_results():
+    """docs/benchmarks.md shows report.py's tables of benchmarks/results/, unedited: every
+    table the report prints (each section's rows, in order) is on the page."""
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    out = subprocess.run([sys.executable, str(REPORT)], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    sections = [s for s in out.split("### ") if s.strip()]
+    assert len(sections) >= 10, out
+    for section in sections:
+        title, _, body = section.partition("\n")
+        assert body.strip() in page, (
+            f"docs/benchmarks.md's {title!r} table is stale: paste `python benchmarks/report.py` "
+            "into it")

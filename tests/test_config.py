@@ -47,10 +47,10 @@ def test_no_direct_reads_outside_the_registry():
     assert not found, found
 
 
-def test_readme_table_is_generated_from_the_registry():
-    readme = (ROOT / "README.md").read_text()
-    assert config.markdown_table() in readme, \
-        "README's table is stale: paste `python -m hvdlite.common.config` into it"
+def test_docs_table_is_generated_from_the_registry():
+    page = (ROOT / "docs" / "environment.md").read_text()
+    assert config.markdown_table() in page, \
+        "docs/environment.md's table is stale: paste `python -m hvdlite.common.config` into it"
 
 
 def test_misspelled_names():
@@ -75,7 +75,8 @@ def test_launcher_warns_once_about_a_misspelled_variable():
 
 
 def test_settings_defaults_match_the_registry():
-    """Settings (the engine's view) and the registry (the README's) state the same defaults."""
+    """Settings (the engine's view) and the registry (docs/environment.md's) state the same
+    defaults."""
     fields = {"fusion_threshold": "FUSION_THRESHOLD", "cycle_time_ms": "CYCLE_TIME",
               "cache_capacity": "CACHE_CAPACITY", "stall_warning_s": "STALL_CHECK_TIME_SECONDS",
               "stall_shutdown_s": "STALL_SHUTDOWN_TIME_SECONDS",

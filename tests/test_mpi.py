@@ -249,7 +249,7 @@ def test_join_on_mpi():
 
 @pytest.mark.timeout(150)
 def test_cold_cache_benchmark_runs(tmp_path):
-    """benchmarks/cold_cache.py (the README's reason why 16 MiB on MPI stays short of raw)
+    """benchmarks/cold_cache.py (docs/benchmarks.md's reason why 16 MiB on MPI stays short of raw)
     runs on MPI, times all four cases and writes its JSON; its timings are not judged here."""
     import json
     out = tmp_path / "cold.json"

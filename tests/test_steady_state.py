@@ -142,7 +142,7 @@ def test_bucket_sizes_follow_the_cores(mode):
 
 @pytest.mark.timeout(120)
 def test_one_rank_benchmark_runs():
-    """benchmarks/one_rank.py (README's one-rank table) runs and reports the steady state on;
+    """benchmarks/one_rank.py (the docs' one-rank table) runs and reports the steady state on;
     its timings are not judged here."""
     import subprocess
     import sys
@@ -158,7 +158,7 @@ def test_one_rank_benchmark_runs():
 
 @pytest.mark.timeout(120)
 def test_steady_paths_benchmark_runs(tmp_path):
-    """benchmarks/steady_paths.py (README's steady-state paths table) runs on 2 gloo ranks and
+    """benchmarks/steady_paths.py (the docs' steady-state paths table) runs on 2 gloo ranks and
     writes its five rows; its timings are not judged here."""
     import json
 

@@ -86,7 +86,7 @@ def test_horovod_style_training_script(np):
 
 @pytest.mark.timeout(150)
 def test_train_step_benchmark_runs(tmp_path):
-    """benchmarks/train_step.py (README's training-step table) runs all four contenders on
+    """benchmarks/train_step.py (the docs' training-step table) runs all four contenders on
     2 ranks and writes its JSON; its timings are not judged here."""
     import json
 

@@ -1,7 +1,7 @@
 """Every environment variable hvdlite reads, declared once, and the settings read from them.
 
 `VARIABLES` is the registry: name, type, default and meaning of each `HVDLITE_*`/`HOROVOD_*`
-variable (and the README's table is generated from it: `python -m hvdlite.common.config`). Code
+variable (and the docs' table is generated from it: `python -m hvdlite.common.config`). Code
 reads through `env`/`env_int`/`env_float`/`env_bool` (a knob answering to both `HVDLITE_X` and
 Horovod's `HOROVOD_X`; the `HVDLITE_*` name wins when both are set) or `raw` (one exact name).
 A set `HVDLITE_*` variable that is not declared but close to one that is draws one warning at
@@ -276,7 +276,7 @@ def warn_misspelled(emit: Callable[[str], None],
 
 
 def markdown_table() -> str:
-    """The README's table of environment variables, generated from the registry."""
+    """docs/environment.md's table of environment variables, generated from the registry."""
     rows = ["| variable | type | default | meaning |", "|---|---|---|---|"]
     for v in VARIABLES:
         names = " / ".join(f"`{n}`" for n in v.full_names)

@@ -15,7 +15,7 @@ process_set=mesh.dp)`:
     pipe = parallel.Pipeline(layers, chunks=8, schedule="1f1b", process_set=mesh.pp)
     loss = pipe.train_step(tokens, targets, loss_fn)  # loss_fn may use vocab_parallel_cross_entropy
 
-See README.md in this directory for the full guide.
+See README.md in this directory for the full guide (docs/parallel.md includes it).
 """
 from . import p2p, schedule
 from .cross_entropy import vocab_parallel_cross_entropy
