@@ -96,10 +96,11 @@ def main():
 
     @hvd.elastic.run
     def train(state):
-        for state.epoch in range(state.epoch, args.epochs):
+        # Horovod's elastic idiom: the loop variables live on the state, so a reset resumes there.
+        for state.epoch in range(state.epoch, args.epochs):  # noqa: B020 (see above)
             model.train()
             total, count = 0.0, 0
-            for state.batch, (xb, yb) in enumerate(loader, start=state.batch):
+            for state.batch, (xb, yb) in enumerate(loader, start=state.batch):  # noqa: B020 (as above)
                 optimizer.zero_grad()
                 loss = F.cross_entropy(model(xb), yb)
                 loss.backward()

@@ -6,8 +6,8 @@ tensorflow2_keras_synthetic_benchmark.py (no data set, no download).
 
 Every rank trains on its own batches (`--batch-size` each); the printed total is samples per
 second over all ranks (the sum of every rank's median over `--num-iters` timed epochs of
-`--num-batches-per-iter` steps; the mean and its spread are printed too). Compare the totals of -np 1 and -np 2 at the same per-rank batch
-and the same `--threads` per rank to see the scaling.
+`--num-batches-per-iter` steps; the mean and its spread are printed too). Compare the totals of
+-np 1 and -np 2 at the same per-rank batch and the same `--threads` per rank to see the scaling.
 """
 import argparse
 import os

@@ -1,4 +1,5 @@
-"""Placement groups for the workers, the driver-side rendezvous, and the words for Ray's failures."""
+"""Placement groups for the workers, the driver-side rendezvous, and the words for Ray's
+failures."""
 from __future__ import annotations
 
 from typing import Any, Optional

@@ -139,7 +139,8 @@ class TensorFlowKerasState(ObjectState):
 
     def reset(self) -> None:
         # A DistributedOptimizer with backward_passes_per_step > 1: every rank drops its partial
-        # sums, so all count the passes to the next reduction alike (LocalGradientAggregationHelper.reset).
+        # sums, so all count the passes to the next reduction alike
+        # (LocalGradientAggregationHelper.reset).
         agg = getattr(getattr(self.optimizer, "_hvd", None), "agg", None)
         if agg is not None:
             agg.reset()

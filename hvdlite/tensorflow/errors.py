@@ -3,8 +3,9 @@
 Horovod's TensorFlow collectives are op kernels, so user code catches `tf.errors.*`:
 cross-rank mismatches (shape, dtype, op, root, ...) are `FailedPreconditionError`, invalid
 arguments `InvalidArgumentError`, and a broken job (a peer that left, a shut-down engine:
-Horovod's "Horovod has been shut down") `UnknownError`. hvdlite runs its collectives in Python (eagerly, or as a
-`tf.py_function` node in a graph), so this module is the one place that maps its errors:
+Horovod's "Horovod has been shut down") `UnknownError`. hvdlite runs its collectives in Python
+(eagerly, or as a `tf.py_function` node in a graph), so this module is the one place that maps
+its errors:
 
 - eagerly, an error is re-raised as a class deriving from BOTH the TF class and hvdlite's own
   (`FailedPreconditionError` + `HorovodMismatchError`, `UnknownError` +

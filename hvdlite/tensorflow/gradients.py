@@ -481,7 +481,7 @@ class _Plan:
         """Wait for every unit; the reduced tensors in the order of the collect node's outputs."""
         out = []
         ranks = None
-        for (members, _, is_sparse), (handle, xs) in zip(units, submitted):
+        for (_members, _, is_sparse), (handle, xs) in zip(units, submitted):
             if handle is None:
                 out.extend(xs)
                 continue

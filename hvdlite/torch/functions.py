@@ -27,7 +27,7 @@ def broadcast_parameters(params, root_rank, prefix=None):
     elif isinstance(params, Iterable) and not isinstance(params, (str, bytes, torch.Tensor)):
         params = [p if isinstance(p, tuple) else (None, p) for p in params]
     else:
-        raise ValueError("invalid params of type: %s" % type(params))
+        raise ValueError(f"invalid params of type: {type(params)}")
 
     tensors, names = [], []
     for i, (name, p) in enumerate(params):
@@ -108,7 +108,7 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None):
         for option_key, option_value in group.items():
             if option_key == "params":
                 continue
-            key = "%s.%d" % (option_key, index)
+            key = f"{option_key}.{index}"
             scalars[key] = option_value
             callbacks[key] = _create_option_callback(index, option_key)
 
@@ -121,7 +121,7 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None):
             for name, p in param_state.items():
                 # The same state name appears once per parameter: number the occurrences.
                 occurrences[name] += 1
-                key = "%s.%d" % (str(name), occurrences[name])
+                key = f"{name}.{occurrences[name]}"
                 if torch.is_tensor(p):
                     params.append((key, p))
                 else:

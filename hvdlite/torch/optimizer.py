@@ -58,13 +58,13 @@ def _named_parameters(param_groups, named_parameters):
     dups = _DistributedOptimizer.find_duplicates([k for k, _ in named_parameters])
     if len(dups) > 0:
         raise ValueError("Parameter names in named_parameters must be unique. "
-                         "Found duplicates: %s" % ", ".join(sorted(dups)))
+                         f"Found duplicates: {', '.join(sorted(dups))}")
     all_param_ids = {id(v) for param_group in param_groups for v in param_group["params"]}
     unnamed_param_ids = all_param_ids - {id(v) for _, v in named_parameters}
     if len(unnamed_param_ids):
         raise ValueError("named_parameters was specified, but one or more model parameters "
                          "were not named. Python object ids: "
-                         "%s" % ", ".join(str(i) for i in unnamed_param_ids))
+                         + ", ".join(str(i) for i in unnamed_param_ids))
     return sorted(named_parameters, key=lambda kv: kv[0]), wire_prefix
 
 
@@ -453,7 +453,7 @@ class _DistributedOptimizer(_HookedOptimizer):
             if p not in owned:
                 self._handles[p] = self._allreduce_grad_async(p)
 
-        for p, (handle, ctx) in list(self._handles.items()):
+        for p, (handle, _ctx) in list(self._handles.items()):
             if p in owned:          # (not a tuple: groups never take the flat path)
                 del self._handles[p]
             elif handle is None or handle is _DEFERRED:
@@ -510,7 +510,7 @@ class _DistributedOptimizer(_HookedOptimizer):
                               "optimizer.synchronize(). This can cause training "
                               "slowdown. You may want to consider using "
                               "optimizer.skip_synchronize() context if you use "
-                              "optimizer.synchronize() in your code.")
+                              "optimizer.synchronize() in your code.", stacklevel=2)
             self.synchronize()
         self._synchronized = False
         return self._base_step(closure)

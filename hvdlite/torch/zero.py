@@ -497,7 +497,7 @@ def make_zero_optimizer(optimizer, named_parameters, compression, backward_passe
     """Build the dynamic subclass (user's class name kept) for zero_stage 1 or 2."""
     if groups is not None:
         warnings.warn("groups is ignored with zero_stage 1/2: stage 1 relies on the engine's "
-                      "fusion, stage 2 on its own buckets")
+                      "fusion, stage 2 on its own buckets", stacklevel=3)
     if sparse_as_dense:
         raise ValueError("sparse_as_dense is not supported with zero_stage 1/2")
     base = optimizer.__class__

@@ -32,7 +32,8 @@ def _avoid_xla(model) -> None:
         return
     if jit:
         warnings.warn("hvdlite: compiling this model's train step without XLA "
-                      "(jit_compile=False): hvdlite's gradient allreduce cannot run inside XLA.")
+                      "(jit_compile=False): hvdlite's gradient allreduce cannot run inside XLA.",
+                      stacklevel=2)
         model.jit_compile = False
         model.train_function = None
 

@@ -183,7 +183,7 @@ def _copy_state(dst, src) -> None:
     sv, dv = _optimizer_variables(src), _optimizer_variables(dst)
     if len(sv) != len(dv) or any(tuple(a.shape) != tuple(b.shape) for a, b in zip(sv, dv)):
         warnings.warn(f"hvdlite: the wrapped {type(src).__name__} was already used on other "
-                      f"variables; its state (slots, iterations) is not carried over")
+                      f"variables; its state (slots, iterations) is not carried over", stacklevel=2)
         return
     for d, s in zip(dv, sv):
         d.assign(s)
@@ -356,5 +356,6 @@ def is_distributed(optimizer) -> bool:
     return bool(getattr(optimizer, "_hvd_distributed", False))
 
 
-__all__ = ["create_distributed_optimizer", "register_pending_layers", "keras_module", "is_keras3", "check_backend",
-           "optimizer_flavor", "distributed_class_for", "is_distributed", "var_ref"]
+__all__ = ["create_distributed_optimizer", "register_pending_layers", "keras_module", "is_keras3",
+           "check_backend", "optimizer_flavor", "distributed_class_for", "is_distributed",
+           "var_ref"]
