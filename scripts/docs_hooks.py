@@ -63,9 +63,31 @@ def _is_annotation_import(name: str) -> bool:
 def _api_block(match: re.Match) -> str:
     module = match.group(1)
     members = ", ".join(public_names(module))
-    return (f"::: {module}\n    options:\n      show_if_no_docstring: true\n"
+    return (f"::: {module}\n    options:\n      show_root_heading: false\n"
+            f"      show_if_no_docstring: true\n"
             f"      members: [{members}]\n")
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    return _API.sub(_api_block, markdown)
+    markdown = _API.sub(_api_block, markdown)
+    return _MODULES.sub(lambda m: module_table(), markdown)
+
+
+# `<!-- modules -->` on a page becomes a table of every module of the package with the first
+# sentence of its docstring, read from the source (nothing imported), so the layout cannot miss
+# a module that was added after the page was written.
+_MODULES = re.compile(r"^<!-- modules -->$", re.M)
+
+
+def module_table() -> str:
+    import ast
+
+    rows = ["| module | what it is |", "|---|---|"]
+    for path in sorted(glob.glob(os.path.join(ROOT, "hvdlite", "**", "*.py"), recursive=True)):
+        with open(path, encoding="utf-8") as f:
+            doc = ast.get_docstring(ast.parse(f.read())) or ""
+        first = " ".join(doc.split("\n\n")[0].split())
+        rel = os.path.relpath(path, ROOT)
+        cell = first.replace("|", "\\|")
+        rows.append(f"| `{rel}` | {cell} |")
+    return "\n".join(rows) + "\n"

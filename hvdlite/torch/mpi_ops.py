@@ -233,6 +233,9 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set) -> int:
+    """In-place `grouped_allreduce_async`: every tensor of `tensors` is overwritten with its
+    reduction; returns a handle for `synchronize()`. The group is negotiated and released as
+    one unit, so either all of it completes or all of it fails."""
     op = handle_average_backwards_compatibility(op, average)
     for t in tensors:
         _check_inplace(t)
@@ -242,6 +245,8 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                        postscale_factor=1.0, process_set=global_process_set):
+    """In-place `grouped_allreduce`: reduces every tensor of `tensors` into itself and
+    returns them as a tuple."""
     for t in tensors:
         _check_inplace(t)
     with _ops.blocking_name("grouped_allreduce", name, process_set) as name:
@@ -309,6 +314,8 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
+    """Allgather every tensor of `tensors` along dimension 0, as one group; returns a handle
+    whose `synchronize()` gives the gathered tensors in the same order."""
     return _allgather_async(list(tensors), name, process_set, grouped=True)
 
 
@@ -334,6 +341,8 @@ class HorovodGroupedAllgather(torch.autograd.Function):
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    """Allgather every tensor of `tensors` along dimension 0 (ranks may differ in that
+    dimension only), as one group; differentiable. Returns the gathered tensors in order."""
     with _ops.blocking_name("grouped_allgather", name, process_set) as name:
         if _traced(tensors):
             return HorovodGroupedAllgather.apply(name, process_set, *tensors)
@@ -377,6 +386,8 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:
+    """In-place asynchronous broadcast: `tensor` is overwritten with `root_rank`'s; returns a
+    handle for `synchronize()`."""
     _check_inplace(tensor)
     return _broadcast_async(tensor, tensor.detach(), root_rank, name, process_set)
 
@@ -499,6 +510,8 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0) -> int:
+    """Reduce-scatter every tensor of `tensors` as one group (`op` Average or Sum); returns a
+    handle whose `synchronize()` gives each rank its slice of each reduction, in order."""
     return _reducescatter_async(list(tensors), name, op, process_set, prescale_factor,
                                 postscale_factor, grouped=True)
 
@@ -524,6 +537,8 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0):
+    """Reduce-scatter every tensor of `tensors` as one group: each rank gets its slice of
+    dimension 0 of each reduction (`op` Average or Sum); differentiable."""
     compressed, ctxs = _compress_all(tensors, compression)
     with _ops.blocking_name("grouped_reducescatter", name, process_set) as name:
         if _traced(compressed):
