@@ -380,34 +380,42 @@ def _require() -> _State:
 
 
 def is_initialized() -> bool:
+    """Whether `init()` has run in this process and `shutdown()` has not."""
     return _state is not None
 
 
 def rank() -> int:
+    """This process's rank in the job, 0 to `size() - 1`."""
     return _require().rank
 
 
 def size() -> int:
+    """The number of ranks in the job."""
     return _require().size
 
 
 def local_rank() -> int:
+    """This process's rank among the ranks on its host (use it to pick the GPU)."""
     return _require().topology["local_rank"]
 
 
 def local_size() -> int:
+    """The number of ranks on this process's host."""
     return _require().topology["local_size"]
 
 
 def cross_rank() -> int:
+    """The index of this process's host among the hosts holding its local rank."""
     return _require().topology["cross_rank"]
 
 
 def cross_size() -> int:
+    """The number of hosts with a rank of this process's local rank."""
     return _require().topology["cross_size"]
 
 
 def is_homogeneous() -> bool:
+    """Whether every host runs the same number of ranks."""
     return _require().topology["homogeneous"]
 
 
@@ -527,6 +535,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 
 
 def stop_timeline() -> None:
+    """Stop recording the timeline that `start_timeline()` started (the file is complete)."""
     state = _require()
     if state.timeline is not None:
         state.timeline.stop()
@@ -566,6 +575,7 @@ def gloo_enabled() -> bool:
 
 
 def gloo_built() -> bool:
+    """Always True: the gloo transport is torch's own build."""
     return True
 
 
@@ -587,17 +597,21 @@ def nccl_built() -> int:
 
 
 def ddl_built() -> bool:
+    """Always False: hvdlite has no IBM DDL transport."""
     return False
 
 
 def ccl_built() -> bool:
+    """Always False: hvdlite has no oneCCL transport."""
     return False
 
 
 def cuda_built() -> bool:
+    """Whether torch was built with CUDA (CUDA tensors are then supported)."""
     import torch
     return torch.backends.cuda.is_built()
 
 
 def rocm_built() -> bool:
+    """Always False: hvdlite is not built for ROCm (Horovod's compile-time flag)."""
     return False
