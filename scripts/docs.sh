@@ -7,12 +7,12 @@
 # names, so the build runs in the project's .venv, which scripts/setup.sh creates.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-if ! .venv/bin/python -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null \
-    || [ pyproject.toml -nt .venv/.hvdlite-docs-installed ]; then
-  .venv/bin/pip install -q --disable-pip-version-check -e ".[docs]"
-  touch .venv/.hvdlite-docs-installed
+if [ ! -x .venv/bin/python ]; then
+  bash scripts/setup.sh
 fi
+# The `docs` extra's pinned packages, installed by name (not `pip install -e .[docs]`, which
+# would also re-point an editable hvdlite at this checkout) when a pin is not met.
+bash scripts/install_extra.sh docs
 export NO_MKDOCS_2_WARNING=1 TF_CPP_MIN_LOG_LEVEL=2 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ "${1:-}" = serve ]; then
   exec .venv/bin/mkdocs serve

@@ -10,15 +10,13 @@ PATHS=(hvdlite tests benchmarks examples scripts/docs_hooks.py)
 if [ ! -x .venv/bin/python ]; then
   bash scripts/setup.sh
 fi
-if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(0 if (m.version('ruff'), m.version('mypy')) == ('0.17.6', '2.4.1') else 1)" 2>/dev/null; then
-  .venv/bin/pip install -q --disable-pip-version-check -e ".[lint]"
-fi
+bash scripts/install_extra.sh lint
 if [ "${1:-}" = --fix ]; then
   .venv/bin/ruff check --fix "${PATHS[@]}" || true
   .venv/bin/ruff format "${PATHS[@]}"
 fi
 status=0
-echo "== ruff check"; .venv/bin/ruff check "${PATHS[@]}" || status=1
-echo "== ruff format --check"; .venv/bin/ruff format --check "${PATHS[@]}" || status=1
+echo "== ruff check"; .venv/bin/ruff check --output-format concise "${PATHS[@]}" || status=1
+echo "== ruff format --check"; .venv/bin/ruff format --check --output-format concise "${PATHS[@]}" || status=1
 echo "== mypy"; .venv/bin/mypy || status=1
 exit $status
