@@ -13,7 +13,8 @@ import socket
 import sys
 import threading
 import time
-from typing import Optional
+from types import TracebackType
+from typing import Any, Iterable, Optional
 
 from . import buckets, config, flight_recorder, hierarchical, logs, naming, rendezvous, threads
 from .backends import mpi as mpi_backend
@@ -35,13 +36,13 @@ NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
 
 
 class _State:
-    def __init__(self):
+    def __init__(self) -> None:
         self.engine: Engine | None = None
         self.coordinator: Coordinator | None = None
         self.timeline: Timeline | None = None
         self.rank = 0
         self.size = 1
-        self.topology: dict = {}
+        self.topology: dict[str, Any] = {}
         self.settings: Settings | None = None
         self.sets: dict[int, ProcessSet] = {}
         self.dynamic = False
@@ -49,7 +50,7 @@ class _State:
         self.transport = "gloo"
         # (set, name) -> the last request of a named allreduce under that name, reused while
         # the call's signature is unchanged (ops._allreduce_request).
-        self.requests: dict = {}
+        self.requests: dict[Any, Any] = {}
 
 
 _state: _State | None = None
@@ -70,7 +71,7 @@ def _connect(host: str, port: int, deadline: float) -> socket.socket:
     raise HorovodInternalError(f"could not connect to the coordinator at {host}:{port}: {last}")
 
 
-def init(comm=None, process_sets=None) -> None:
+def init(comm: Any = None, process_sets: Any = None) -> None:
     """Start hvdlite in this process: join the job, start the background thread.
 
     `process_sets` is a list of ProcessSet to register on every rank, or "dynamic" to allow
@@ -125,7 +126,7 @@ def init(comm=None, process_sets=None) -> None:
         _watch_uncaught()
 
 
-def _init_once(comm, settings: Settings, dynamic: bool, static: list,
+def _init_once(comm: Any, settings: Settings, dynamic: bool, static: list[ProcessSet],
                transport: str) -> "_State":
     global _generation
     world = select.mpi_world(transport, comm)
@@ -157,8 +158,8 @@ def _init_once(comm, settings: Settings, dynamic: bool, static: list,
     return state
 
 
-def _join(state: "_State", ident, world, settings: Settings, dynamic: bool, static: list,
-          transport: str, prefix: str) -> None:
+def _join(state: "_State", ident: Any, world: Any, settings: Settings, dynamic: bool,
+          static: list[ProcessSet], transport: str, prefix: str) -> None:
     if world is None:
         store = rendezvous.connect_store(ident, settings.start_timeout_s)
     else:
@@ -266,7 +267,8 @@ def _settings_for_host(settings: Settings, local_ranks: int, shared_memory: bool
     return dataclasses.replace(settings, cpu_whole_pass=whole, cpu_bucket_cap_bytes=cpu_cap)
 
 
-def _share_address(ident, store, prefix: str, port, settings) -> tuple[str, int]:
+def _share_address(ident: Any, store: Any, prefix: str, port: Optional[int],
+                   settings: Settings) -> tuple[str, int]:
     """Rank 0 publishes its coordinator's address in the store; every rank reads it."""
     if port is not None:
         store.set(prefix + "coordinator", f"{rendezvous.advertised_host(ident)}:{port}")
@@ -292,7 +294,7 @@ def _share_address(ident, store, prefix: str, port, settings) -> tuple[str, int]
     return host, int(port)
 
 
-def _job_key(ident, store, prefix: str) -> bytes:
+def _job_key(ident: Any, store: Any, prefix: str) -> bytes:
     """The per-job secret that signs every control message."""
     secret = rendezvous.job_secret()
     if secret:
@@ -310,7 +312,7 @@ def _job_key(ident, store, prefix: str) -> bytes:
 _warned_unauthenticated = False
 
 
-def _warn_unauthenticated(ident) -> None:
+def _warn_unauthenticated(ident: Any) -> None:
     """Said once per process, on rank 0: without a secret the key travels in the c10d store,
     which anyone who reaches the store can read."""
     global _warned_unauthenticated
@@ -325,7 +327,8 @@ def _warn_unauthenticated(ident) -> None:
                 ident.store_port)
 
 
-def _note_uncaught(kind, value, tb) -> None:
+def _note_uncaught(kind: type[BaseException], value: BaseException,
+                   tb: Optional[TracebackType]) -> None:
     """sys.excepthook while hvdlite runs: remember what ends the process, then print it as
     the hook before would (the atexit shutdown that follows tells the other ranks).
 
@@ -419,7 +422,7 @@ def is_homogeneous() -> bool:
     return _require().topology["homogeneous"]
 
 
-def _set_ranks(set_id: int) -> list:
+def _set_ranks(set_id: int) -> list[int]:
     state = _require()
     ranks = state.engine.set_ranks.get(set_id)
     if ranks is None:
@@ -431,7 +434,7 @@ def engine() -> Engine:
     return _require().engine
 
 
-def engine_counters() -> dict:
+def engine_counters() -> dict[str, int]:
     """This rank's engine counters: messages to the coordinator, steady-state rounds and the
     tensors they released, fallbacks to full negotiation (tests and benchmarks read them),
     `shm_collectives`: collectives the gloo transport ran through shared memory,
@@ -453,10 +456,10 @@ def engine_counters() -> dict:
 
 
 # ---------------------------------------------------------------------- process sets
-def _check_distinct_sets(sets: list) -> None:
+def _check_distinct_sets(sets: list[ProcessSet]) -> None:
     """Horovod refuses the same ranks twice in init(process_sets=...), on every rank (the
     list is the same everywhere, so every rank decides alike without communicating)."""
-    seen: dict = {}
+    seen: dict[tuple[int, ...], int] = {}
     for i, ps in enumerate(sets):
         key = tuple(ps.ranks)
         if key in seen:
@@ -465,7 +468,7 @@ def _check_distinct_sets(sets: list) -> None:
         seen[key] = i
 
 
-def find_process_set(ranks) -> Optional[ProcessSet]:
+def find_process_set(ranks: Iterable[int]) -> Optional[ProcessSet]:
     """The registered process set with exactly these global ranks (any order), or None."""
     state = _require()
     want = sorted(int(r) for r in ranks)
@@ -483,7 +486,7 @@ def dynamic_process_sets() -> bool:
     return _require().dynamic
 
 
-def add_process_set(process_set) -> ProcessSet:
+def add_process_set(process_set: Any) -> ProcessSet:
     """Register a new process set on every rank (a collective: every rank must call it, in the
     same order, with the same ranks)."""
     state = _require()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, NoReturn, Optional, Sequence, Union
 
 import torch
 
@@ -32,6 +32,8 @@ from .process_sets import ProcessSet
 
 Buffer = torch.Tensor
 Names = Union[str, Sequence[str], None]
+# A process set as callers pass it: the object, its registered id, or None (the global set).
+SetArg = Union[ProcessSet, int, None]
 
 REDUCE_OPS = (AVERAGE, SUM, MIN, MAX, PRODUCT)
 REDUCIBLE = frozenset({"uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
@@ -51,8 +53,8 @@ class Handle:
 
     __slots__ = ("_inner", "_post", "_alive", "_result", "_error", "_waited", "_lock", "_pace")
 
-    def __init__(self, inner, post: Callable[[list], Any], alive: Optional[Callable[[], bool]],
-                 pace=None):
+    def __init__(self, inner: Any, post: Callable[[list[Any]], Any],
+                 alive: Optional[Callable[[], bool]], pace: Any = None) -> None:
         self._inner = inner
         self._post = post
         self._alive = alive
@@ -94,11 +96,11 @@ class Handle:
         return f"<hvdlite Handle {self._inner.names()} done={self.done()}>"
 
 
-def _first(results: list) -> Any:
+def _first(results: list[Any]) -> Any:
     return results[0]
 
 
-def _state():
+def _state() -> Any:  # basics._State, whose engine is set once init() is done
     # The module attribute, not basics' accessors: a collective's path stays in this file.
     state = _basics._state
     if state is None:
@@ -106,7 +108,8 @@ def _state():
     return state
 
 
-def _submit(entries: list, post: Callable[[list], Any] = list, blocking: bool = False) -> Handle:
+def _submit(entries: list[Entry], post: Callable[[list[Any]], Any] = list,
+            blocking: bool = False) -> Handle:
     engine = _state().engine
     if engine.pace is not None:
         engine.pace.submitted(time.monotonic())
@@ -128,7 +131,7 @@ def set_id(process_set: Union[ProcessSet, int, None]) -> int:
     return sid
 
 
-def set_ranks(process_set: Union[ProcessSet, int, None]) -> list:
+def set_ranks(process_set: Union[ProcessSet, int, None]) -> list[int]:
     """The global ranks of a registered process set (before init NotInitializedError, the
     error every collective raises then)."""
     _state()
@@ -150,7 +153,7 @@ def dtype_name(buffer: Buffer, reduce: bool = False) -> str:
     return name
 
 
-def check_reduce_op(op, process_set=None, buffers: Sequence[Buffer] = (),
+def check_reduce_op(op: Any, process_set: SetArg = None, buffers: Sequence[Buffer] = (),
                     what: str = "allreduce") -> None:
     """Horovod's op checks; Adasum only for allreduce, with Horovod's conditions: the global
     process set, a power-of-two number of ranks, CPU floating-point buffers."""
@@ -184,7 +187,7 @@ def check_rank(buffer: Buffer, what: str) -> None:
         raise ValueError(f"{what} needs a tensor with at least one dimension")
 
 
-def resolve_names(kind: str, names: Names, n: int, sid: int, group) -> tuple[list, str]:
+def resolve_names(kind: str, names: Names, n: int, sid: int, group: Any) -> tuple[list[str], str]:
     """(one wire name per buffer, base name). None: named by call site (`naming.auto_name`);
     a string: used as is for one ungrouped buffer, else as the base of `base.i`; a list: as
     given."""
@@ -199,14 +202,15 @@ def resolve_names(kind: str, names: Names, n: int, sid: int, group) -> tuple[lis
     return names, names[0] if n else kind
 
 
-def _group(group, base: str, n: int) -> tuple[Optional[str], int]:
+def _group(group: Any, base: str, n: int) -> tuple[Optional[str], int]:
     if not group or n <= 1:
         return None, 0
     return (base if group is True else str(group)), n
 
 
-def _requests(kind: str, buffers: Sequence[Buffer], names: Names, process_set, group,
-              cacheable: Optional[bool], reduce: bool = False, **kw) -> list[Request]:
+def _requests(kind: str, buffers: Sequence[Buffer], names: Names, process_set: SetArg,
+              group: Any, cacheable: Optional[bool], reduce: bool = False,
+              **kw: Any) -> list[Request]:
     """The requests of a `kind` call ("allreduce", ..., _KIND_TYPES); an argument error that
     a buffer's checks find (an unsupported dtype, a sparse tensor) is refused (refuse)."""
     rtype = _KIND_TYPES[kind]
@@ -224,7 +228,7 @@ def _requests(kind: str, buffers: Sequence[Buffer], names: Names, process_set, g
         refuse(kind, wire, exc, process_set=sid, group=gname)
 
 
-def _empty_group(kind: str, names: Names, process_set, group, **kw) -> Handle:
+def _empty_group(kind: str, names: Names, process_set: SetArg, group: Any, **kw: Any) -> Handle:
     """A grouped call of no tensors (a model with no parameters on this rank, one not built
     yet): this rank's part goes out as one request, `<group>.empty`, that stands for the
     group and says it has no members (group_size 0, an empty placeholder: nothing is moved).
@@ -247,8 +251,8 @@ def _empty_group(kind: str, names: Names, process_set, group, **kw) -> Handle:
     return _submit([Entry(req, placeholder, output)], lambda res: [])
 
 
-def _refuse_call(kind: str, buffers: Sequence[Buffer], names: Names, process_set, group,
-                 exc: Exception):
+def _refuse_call(kind: str, buffers: Sequence[Buffer], names: Names, process_set: SetArg,
+                 group: Any, exc: Exception) -> None:
     """Raise `exc`, an argument error found before a call's requests exist (an op the
     collective does not take, a scalar where a dimension is needed, bad alltoall splits),
     once the other ranks were told about every name the call would have used (refuse)."""
@@ -263,8 +267,8 @@ _KIND_TYPES = {"allreduce": ALLREDUCE, "allgather": ALLGATHER, "broadcast": BROA
                "reducescatter": REDUCESCATTER, "alltoall": ALLTOALL}
 
 
-def refuse(kind: str, names: Sequence[str], exc: Exception, *, process_set=None,
-           group: Optional[str] = None):
+def refuse(kind: str, names: Sequence[str], exc: Exception, *, process_set: SetArg = None,
+           group: Optional[str] = None) -> NoReturn:
     """Raise `exc`, this rank's argument error for the collective `kind` ("allreduce",
     "allgather", "broadcast", "reducescatter" or "alltoall") whose wire names are `names`, as
     Horovod's enqueue does, but tell the other ranks first. The one place every argument
@@ -299,14 +303,15 @@ def refuse(kind: str, names: Sequence[str], exc: Exception, *, process_set=None,
 
 
 def _request(me: int, name: str, rtype: int, b: Buffer, sid: int, reduce: bool,
-             **kw) -> Request:
+             **kw: Any) -> Request:
     """One buffer's request: what every rank validates against the others'."""
     return Request(rank=me, name=name, type=rtype, dtype=dtype_name(b, reduce),
                    shape=tuple(b.shape), device=b.get_device() if b.is_cuda else -1,
                    process_set_id=sid, **kw)
 
 
-def blocking_name(kind: str, name: Optional[str], process_set=None) -> naming.blocking_name:
+def blocking_name(kind: str, name: Optional[str],
+                  process_set: SetArg = None) -> naming.blocking_name:
     """`with ops.blocking_name(kind, name, process_set) as name:` around a frontend's blocking
     collective (its public function, before autograd): `name` as given, or for an unnamed call
     its line, so the response cache and the steady state serve it (naming.blocking_name)."""
@@ -333,9 +338,9 @@ def _contiguous(b: Buffer) -> Buffer:
 
 # ---------------------------------------------------------------------- collectives
 def allreduce(buffers: Sequence[Buffer], *, names: Names = None, op: int = AVERAGE,
-              prescale: float = 1.0, postscale: float = 1.0, process_set=None, group=None,
-              outputs: Optional[Sequence[Buffer]] = None, cacheable: Optional[bool] = None,
-              blocking: bool = False) -> Handle:
+              prescale: float = 1.0, postscale: float = 1.0, process_set: SetArg = None,
+              group: Any = None, outputs: Optional[Sequence[Buffer]] = None,
+              cacheable: Optional[bool] = None, blocking: bool = False) -> Handle:
     """Reduce each buffer over the set; `outputs` (default: new buffers) receive the results.
     `group` (True or a group name) releases and fuses the buffers together. Result: list.
     `blocking`: the caller waits on the handle at once (a synchronous grouped call): several
@@ -407,7 +412,7 @@ def whole_pass() -> bool:
     return _state().engine.whole_pass
 
 
-def fuses_in_place(process_set=None) -> bool:
+def fuses_in_place(process_set: SetArg = None) -> bool:
     """Whether this rank's transport for the set fuses CPU allreduces of every size with no
     fusion buffer (through shared memory: gloo's channel on one host, or MPI's where ranks
     outnumber cores; not MPI's large collectives alone, backends/shm.ShmRouted), so gradients
@@ -425,7 +430,7 @@ def fuses_in_place(process_set=None) -> bool:
 
 def allreduce_now(buffer: Buffer, output: Buffer, *, name: Optional[str] = None,
                   op: int = AVERAGE, prescale: float = 1.0, postscale: float = 1.0,
-                  process_set=None) -> Buffer:
+                  process_set: SetArg = None) -> Buffer:
     """Reduce one buffer over the set into `output` and return it, blocking: the frontends'
     synchronous calls (`allreduce_`, and `allreduce` when nothing records a gradient).
 
@@ -449,8 +454,8 @@ def allreduce_now(buffer: Buffer, output: Buffer, *, name: Optional[str] = None,
 _REQUESTS_KEPT = 1024
 
 
-def _allreduce_request(state, sid: int, name: str, buffer: Buffer, op: int, prescale: float,
-                       postscale: float) -> Request:
+def _allreduce_request(state: _basics._State, sid: int, name: str, buffer: Buffer, op: int,
+                       prescale: float, postscale: float) -> Request:
     """The request of a named, ungrouped, cacheable allreduce of `buffer` (`op` one of
     REDUCE_OPS), reused from the last call under the same name when its signature is the same.
 
@@ -480,7 +485,8 @@ def _request_fits(req: Request, buffer: Buffer, op: int, prescale: float,
             and req.dtype == DTYPE_NAMES.get(buffer.dtype))
 
 
-def _grouped_requests(state, sid: int, names, group, buffers: list, op: int, prescale: float,
+def _grouped_requests(state: _basics._State, sid: int, names: Union[str, Sequence[str]],
+                      group: Any, buffers: list[Buffer], op: int, prescale: float,
                       postscale: float) -> list[Request]:
     """The requests of a named, cacheable grouped allreduce (`op` one of REDUCE_OPS), reused
     from the last call with the same names and group while every member's signature is the
@@ -503,7 +509,7 @@ def _grouped_requests(state, sid: int, names, group, buffers: list, op: int, pre
 
 
 def _allreduce_now(buffer: Buffer, output: Buffer, name: Optional[str], op: int,
-                   prescale: float, postscale: float, process_set, sid: int) -> Buffer:
+                   prescale: float, postscale: float, process_set: SetArg, sid: int) -> Buffer:
     if isinstance(name, str) and op in REDUCE_OPS:
         state = _state()
         try:
@@ -525,8 +531,8 @@ def _allreduce_now(buffer: Buffer, output: Buffer, name: Optional[str], op: int,
                      process_set=process_set, outputs=[output]).wait()[0]
 
 
-def allgather(buffers: Sequence[Buffer], *, names: Names = None, process_set=None, group=None,
-              cacheable: Optional[bool] = None) -> Handle:
+def allgather(buffers: Sequence[Buffer], *, names: Names = None, process_set: SetArg = None,
+              group: Any = None, cacheable: Optional[bool] = None) -> Handle:
     """Concatenate every rank's buffer along dimension 0 (first dims may differ). Result: list."""
     buffers = list(buffers)
     if not buffers and group:
@@ -541,7 +547,8 @@ def allgather(buffers: Sequence[Buffer], *, names: Names = None, process_set=Non
 
 
 def broadcast(buffers: Sequence[Buffer], root_rank: int, *, names: Names = None,
-              process_set=None, group=None, outputs: Optional[Sequence[Buffer]] = None,
+              process_set: SetArg = None, group: Any = None,
+              outputs: Optional[Sequence[Buffer]] = None,
               cacheable: Optional[bool] = None) -> Handle:
     """Every rank gets `root_rank`'s buffers (a global rank). Result: list (`outputs`)."""
     buffers = list(buffers)
@@ -555,8 +562,8 @@ def broadcast(buffers: Sequence[Buffer], root_rank: int, *, names: Names = None,
 
 
 def reducescatter(buffers: Sequence[Buffer], *, names: Names = None, op: int = AVERAGE,
-                  prescale: float = 1.0, postscale: float = 1.0, process_set=None, group=None,
-                  cacheable: Optional[bool] = None) -> Handle:
+                  prescale: float = 1.0, postscale: float = 1.0, process_set: SetArg = None,
+                  group: Any = None, cacheable: Optional[bool] = None) -> Handle:
     """Reduce over the set; each rank keeps its slice of dimension 0 (the first
     dim % size ranks one row more). Result: list."""
     buffers = list(buffers)
@@ -575,7 +582,7 @@ def reducescatter(buffers: Sequence[Buffer], *, names: Names = None, op: int = A
 
 
 def alltoall(buffer: Buffer, splits: Optional[Sequence[int]] = None, *, names: Names = None,
-             process_set=None, splits_dtype: Optional[str] = None) -> Handle:
+             process_set: SetArg = None, splits_dtype: Optional[str] = None) -> Handle:
     """Rows `splits[i]` go to set rank i (default: equal parts). Result: (output, received
     splits as an int32 buffer). Never cached: splits may change every call. `splits_dtype` is
     the dtype name of a splits tensor (Horovod takes int32 only)."""
@@ -602,7 +609,7 @@ def join() -> Handle:
     return _submit([Entry(req)], lambda res: int(res[0]))
 
 
-def barrier(process_set=None) -> Handle:
+def barrier(process_set: SetArg = None) -> Handle:
     """Completes once every rank of the set has reached it. Result: None.
 
     One name per set, cacheable: in the steady state a barrier is a round in which every rank
@@ -614,7 +621,7 @@ def barrier(process_set=None) -> Handle:
     return _submit([Entry(req)], lambda res: None)
 
 
-def process_set_change(name: str, extra, add: bool) -> Handle:
+def process_set_change(name: str, extra: Any, add: bool) -> Handle:
     """Register (`extra`: the ranks) or remove (`extra`: the set id) a process set on every rank:
     a collective over the whole job. Result: the set id."""
     req = Request(rank=_state().rank, name=name, type=ADD_PROCESS_SET if add
@@ -623,14 +630,14 @@ def process_set_change(name: str, extra, add: bool) -> Handle:
 
 
 # ---------------------------------------------------------------------- Python objects
-def _pickle(obj) -> Buffer:
+def _pickle(obj: Any) -> Buffer:
     import cloudpickle
     buf = io.BytesIO()
     cloudpickle.dump(obj, buf)
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
-def _pickled(obj, kind: str, name: str, process_set) -> Buffer:
+def _pickled(obj: Any, kind: str, name: str, process_set: SetArg) -> Buffer:
     """`obj` pickled for an object collective; where it cannot be (a lock, a socket, an open
     file), the error reaches the other ranks first (refuse), who waited for its length until
     the stall shutdown."""
@@ -640,13 +647,13 @@ def _pickled(obj, kind: str, name: str, process_set) -> Buffer:
         refuse(kind, [name + ".sz"], exc, process_set=process_set)
 
 
-def _unpickle(data: bytes):
+def _unpickle(data: bytes) -> Any:
     import cloudpickle
     return cloudpickle.load(io.BytesIO(data))
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
-                     process_set=None) -> Any:
+                     process_set: SetArg = None) -> Any:
     """Pickle `obj` on `root_rank` (a global rank) and return it on every rank of the set.
 
     Other ranks may pass anything (e.g. None). `name` defaults to "broadcast_object" (Horovod
@@ -667,7 +674,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     return _unpickle(payload.numpy().tobytes())
 
 
-def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> list:
+def allgather_object(obj: Any, name: Optional[str] = None,
+                     process_set: SetArg = None) -> list[Any]:
     """Pickle `obj` on every rank of the set; return all of them, in set-rank order."""
     name = name or "allgather_object"
     payload = _pickled(obj, "allgather", name, process_set)
