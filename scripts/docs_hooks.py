@@ -4,6 +4,7 @@ Why: benchmarks/HISTORY.md and the plots under benchmarks/results/ are written w
 benchmarks run (run_all.sh, report.py); copying them into docs/ would leave two copies to keep
 equal. The hook adds them to the build as they are, under `benchmarks-history.md` and `plots/`.
 """
+
 from __future__ import annotations
 
 import glob
@@ -23,8 +24,7 @@ def on_files(files: Files, config) -> Files:
     history = re.sub(r"\]\(benchmarks/results/", "](plots/", history)
     files.append(File.generated(config, "benchmarks-history.md", content=history))
     for png in sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "*.png"))):
-        files.append(File.generated(config, "plots/" + os.path.basename(png),
-                                    abs_src_path=png))
+        files.append(File.generated(config, "plots/" + os.path.basename(png), abs_src_path=png))
     return files
 
 
@@ -44,28 +44,44 @@ def public_names(module_name: str) -> list[str]:
     module = importlib.import_module(module_name)
     names = getattr(module, "__all__", None)
     if names is None:
-        names = [n for n in vars(module) if not n.startswith("_")
-                 and not isinstance(getattr(module, n), types.ModuleType)
-                 and not _is_annotation_import(n)]
+        names = [
+            n
+            for n in vars(module)
+            if not n.startswith("_")
+            and not isinstance(getattr(module, n), types.ModuleType)
+            and not _is_annotation_import(n)
+        ]
+
     # Classes first, then functions, then constants, each alphabetical: the order a reader
     # scans a reference in.
     def kind(n: str) -> int:
         obj = getattr(module, n)
         return 0 if isinstance(obj, type) else 1 if callable(obj) else 2
+
     return sorted(dict.fromkeys(names), key=lambda n: (kind(n), n.lower()))
 
 
 def _is_annotation_import(name: str) -> bool:
-    return name in ("annotations", "Any", "Callable", "Optional", "Union", "Sequence",
-                    "Iterable", "Mapping")
+    return name in (
+        "annotations",
+        "Any",
+        "Callable",
+        "Optional",
+        "Union",
+        "Sequence",
+        "Iterable",
+        "Mapping",
+    )
 
 
 def _api_block(match: re.Match) -> str:
     module = match.group(1)
     members = ", ".join(public_names(module))
-    return (f"::: {module}\n    options:\n      show_root_heading: false\n"
-            f"      show_if_no_docstring: true\n"
-            f"      members: [{members}]\n")
+    return (
+        f"::: {module}\n    options:\n      show_root_heading: false\n"
+        f"      show_if_no_docstring: true\n"
+        f"      members: [{members}]\n"
+    )
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
