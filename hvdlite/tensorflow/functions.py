@@ -2,14 +2,19 @@
 (horovod/tensorflow/functions.py)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Optional
+
 import tensorflow as tf
 
 from ..common import ops as _cops
+from ..common.process_sets import ProcessSet
 from . import mpi_ops as _ops
 from .mpi_ops import broadcast_, broadcast_group, global_process_set
 
 
-def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
+def broadcast_variables(variables: Any, root_rank: int,
+                        process_set: ProcessSet = global_process_set, inplace: bool = False) -> Any:
     """Broadcast `variables` (tf.Variable or keras.Variable) from `root_rank` to every rank of
     the set, all in one fused submission.
 
@@ -44,7 +49,8 @@ def _python_only(what: str) -> None:
                          f"outside tf.function (it would run once, while tracing)")
 
 
-def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):
+def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
     """Pickle `obj` on `root_rank` (a global rank) and return it on every rank of the set.
 
     Other ranks may pass anything (e.g. None). `session` is accepted for TF1 code and not needed:
@@ -55,15 +61,17 @@ def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=glob
     return _cops.broadcast_object(obj, root_rank, name, process_set)
 
 
-def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
+def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: Optional[str] = None,
+                        process_set: ProcessSet = global_process_set) -> Callable[[Any], Any]:
     """A function `fn(obj)` that broadcasts `obj` from `root_rank` (Horovod's TF1 helper)."""
-    def _bcast(obj):
+    def _bcast(obj: Any) -> Any:
         return broadcast_object(obj, root_rank=root_rank, session=session, name=name,
                                 process_set=process_set)
     return _bcast
 
 
-def allgather_object(obj, session=None, name=None, process_set=global_process_set):
+def allgather_object(obj: Any, session: Any = None, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
     """Pickle `obj` on every rank of the set and return the list of all of them, in set-rank
     order. `name` defaults to "allgather_object"."""
     _python_only("allgather_object")

@@ -3,15 +3,17 @@ allgather objects (horovod/torch/functions.py)."""
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, Optional
 
 import torch
 
 from ..common import ops as _ops
+from ..common.process_sets import ProcessSet
 from .mpi_ops import _check_inplace, allgather, broadcast_, global_process_set  # noqa: F401
 
 
-def broadcast_parameters(params, root_rank, prefix=None):
+def broadcast_parameters(params: Any, root_rank: int, prefix: Optional[str] = None) -> None:
     """Broadcast tensors in place from `root_rank` to every other rank.
 
     `params` is a dict (e.g. `model.state_dict()`, broadcast in sorted key order), or a list of
@@ -46,7 +48,8 @@ def broadcast_parameters(params, root_rank, prefix=None):
                    outputs=tensors).wait()
 
 
-def broadcast_optimizer_state(optimizer, root_rank, model=None):
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              model: Optional[torch.nn.Module] = None) -> None:
     """Broadcast an optimizer's state (tensors in place, scalars and group options by pickling)
     from `root_rank` to every other rank.
 
@@ -74,7 +77,8 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None):
         # A DistributedOptimizer's own step() would allreduce every gradient, which deadlocks
         # unless all ranks call it; use the wrapped optimizer's step.
         if getattr(optimizer, "_hvd_distributed", False):
-            optimizer._hvd_base.step(optimizer)
+            # (_hvd_base: the wrapped class, which DistributedOptimizer sets on its subclass)
+            optimizer._hvd_base.step(optimizer)  # type: ignore[attr-defined]
         else:
             optimizer.step()
         if saved is not None:
@@ -90,16 +94,16 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None):
     params = []
     scalars = {}
     callbacks = {}
-    occurrences = collections.defaultdict(int)
+    occurrences: collections.defaultdict[Any, int] = collections.defaultdict(int)
 
     # Scalars go together through broadcast_object (out of place), then callbacks put them back.
-    def _create_state_callback(pid, name):
-        def _assign_state(v):
+    def _create_state_callback(pid: Any, name: Any) -> Callable[[Any], None]:
+        def _assign_state(v: Any) -> None:
             state_dict["state"][pid][name] = v
         return _assign_state
 
-    def _create_option_callback(index, option_key):
-        def _assign_option(v):
+    def _create_option_callback(index: int, option_key: str) -> Callable[[Any], None]:
+        def _assign_option(v: Any) -> None:
             optimizer.param_groups[index][option_key] = v
         return _assign_option
 
@@ -136,7 +140,8 @@ def broadcast_optimizer_state(optimizer, root_rank, model=None):
         callbacks[key](p)
 
 
-def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
     """Pickle `obj` on `root_rank` (a global rank) and return it on every rank of `process_set`.
 
     Typical use: `state = broadcast_object(optimizer.state_dict(), 0)`. The other ranks may pass
@@ -146,7 +151,8 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     return _ops.broadcast_object(obj, root_rank, name, process_set)
 
 
-def allgather_object(obj, name=None, process_set=global_process_set):
+def allgather_object(obj: Any, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
     """Pickle `obj` on every rank of `process_set` and return the list of all of them, ordered by
     rank within the set. `name` defaults to "allgather_object" (Horovod used the object's type
     name, which hangs when ranks hold objects of different types)."""
