@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import operator
 import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -31,7 +33,7 @@ _handle_lock = threading.Lock()
 _next_handle = 0
 
 
-def _register(handle: _ops.Handle, post) -> int:
+def _register(handle: _ops.Handle, post: Callable[[Any], Any]) -> int:
     """An integer handle for `handle`; synchronize() returns `post(result)`. A grouped op's
     post is `tuple`: Horovod's handle map holds a group's outputs as a tuple, so its
     synchronize(), grouped_allreduce_ and grouped_allgather return one (grouped_allreduce and
@@ -53,18 +55,18 @@ def get_handle(handle: int) -> _ops.Handle:
     return entry[0]
 
 
-def _single(res):
+def _single(res: Any) -> Any:
     return res[0]
 
 
-def _compress_all(tensors, compression) -> tuple[list, list]:
+def _compress_all(tensors: Sequence[torch.Tensor], compression: Any) -> tuple[list, list]:
     """(compressed tensors, their contexts) of a grouped call's `tensors`; an empty list
     gives two empty lists (unpacking zip(*...) of none raised ValueError)."""
     pairs = [compression.compress(t) for t in tensors]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def _traced(tensors) -> bool:
+def _traced(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether autograd would record a collective on `tensors`.
 
     Why: torch.autograd.Function.apply costs ~15 us per call even when nothing needs a
@@ -75,21 +77,24 @@ def _traced(tensors) -> bool:
 
 
 # ---------------------------------------------------------------------- allreduce
-def _allreduce_async(tensors, outputs, name, op, prescale_factor, postscale_factor,
-                     process_set, grouped: bool):
+def _allreduce_async(tensors: Sequence[torch.Tensor], outputs: Any, name: Optional[str],
+                     op: int, prescale_factor: float, postscale_factor: float,
+                     process_set: ProcessSet, grouped: bool) -> Any:
     handle = _ops.allreduce(tensors, names=name, op=op, prescale=prescale_factor,
                             postscale=postscale_factor, process_set=process_set,
                             group=grouped or None, outputs=outputs)
     return _register(handle, tuple if grouped else _single)
 
 
-def _check_inplace(tensor):
+def _check_inplace(tensor: torch.Tensor) -> None:
     if not tensor.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
 
 
-def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                    postscale_factor=1.0, process_set=global_process_set) -> int:
+def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
+                    name: Optional[str] = None, op: Optional[int] = None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> int:
     """Asynchronous average/sum of `tensor` over all ranks; the input is not modified."""
     op = handle_average_backwards_compatibility(op, average)
     out = _ops.output_like(tensor)
@@ -97,7 +102,9 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
                             process_set, grouped=False)
 
 
-def _allreduce_now(tensor, average, name, op, prescale_factor, postscale_factor, process_set):
+def _allreduce_now(tensor: torch.Tensor, average: Optional[bool], name: Optional[str],
+                   op: Optional[int], prescale_factor: float, postscale_factor: float,
+                   process_set: ProcessSet) -> Any:
     """A blocking out-of-place allreduce (the op layer's allreduce_now: no handle, and the
     whole call on this thread when the steady state allows)."""
     op = handle_average_backwards_compatibility(op, average)
@@ -110,7 +117,9 @@ class HorovodAllreduce(torch.autograd.Function):
     """Allreduce with a gradient: the gradient is allreduced the same way."""
 
     @staticmethod
-    def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor, process_set):
+    def forward(ctx: Any, tensor: torch.Tensor, average: Optional[bool], name: Optional[str],
+                op: Optional[int], prescale_factor: float, postscale_factor: float,
+                process_set: ProcessSet) -> Any:
         ctx.average, ctx.op = average, op
         ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
         ctx.process_set = process_set
@@ -118,15 +127,17 @@ class HorovodAllreduce(torch.autograd.Function):
                               process_set)
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
         return (allreduce(grad_output, average=ctx.average, op=ctx.op,
                           prescale_factor=ctx.prescale_factor,
                           postscale_factor=ctx.postscale_factor, process_set=ctx.process_set),
                 None, None, None, None, None, None)
 
 
-def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
-              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+              compression: Any = Compression.none, op: Optional[int] = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Average (default) or reduce `tensor` over all ranks; differentiable."""
     compressed, cctx = compression.compress(tensor)
     if _traced((compressed,)):
@@ -138,8 +149,10 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     return compression.decompress(reduced, cctx)
 
 
-def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                     postscale_factor=1.0, process_set=global_process_set) -> int:
+def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
+                     name: Optional[str] = None, op: Optional[int] = None,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> int:
     """Asynchronous in-place allreduce."""
     op = handle_average_backwards_compatibility(op, average)
     _check_inplace(tensor)
@@ -150,8 +163,9 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
                             postscale_factor, process_set, grouped=False)
 
 
-def _allreduce_batch_async(tensors, names, op, prescale_factor, postscale_factor,
-                           process_set) -> list[int]:
+def _allreduce_batch_async(tensors: Sequence[torch.Tensor], names: Any, op: int,
+                           prescale_factor: float, postscale_factor: float,
+                           process_set: ProcessSet) -> list[int]:
     """In-place allreduces of several contiguous tensors submitted in one call, each its own
     collective under its own name (not a group: nothing ties their release together), as
     that many allreduce_async_ calls would; returns their integer handles, which poll() and
@@ -163,8 +177,10 @@ def _allreduce_batch_async(tensors, names, op, prescale_factor, postscale_factor
     return [_register(handle, operator.itemgetter(i)) for i in range(len(tensors))]
 
 
-def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-               postscale_factor=1.0, process_set=global_process_set):
+def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+               op: Optional[int] = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place allreduce; returns `tensor`."""
     op = handle_average_backwards_compatibility(op, average)
     _check_inplace(tensor)
@@ -176,8 +192,10 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
     return tensor
 
 
-def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0, process_set=global_process_set) -> int:
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                            name: Optional[str] = None, op: Optional[int] = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> int:
     """Asynchronous allreduce of a list of tensors, released (and fused) together."""
     op = handle_average_backwards_compatibility(op, average)
     outs = [_ops.output_like(t) for t in tensors]
@@ -185,8 +203,9 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
                             process_set, grouped=True)
 
 
-def _grouped_now(tensors: list, outputs, average, name, op, prescale_factor, postscale_factor,
-                 process_set) -> list:
+def _grouped_now(tensors: list, outputs: Any, average: Optional[bool], name: Optional[str],
+                 op: Optional[int], prescale_factor: float, postscale_factor: float,
+                 process_set: ProcessSet) -> list:
     """A synchronous grouped allreduce's results (`outputs` None: new tensors), submitted as a
     blocking call (ops.allreduce's `blocking`: small ones may run start to end on this
     thread) and waited for on the op layer's handle: no integer handle to register and pop,
@@ -201,7 +220,9 @@ def _grouped_now(tensors: list, outputs, average, name, op, prescale_factor, pos
 
 class HorovodGroupedAllreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+    def forward(ctx: Any, average: Optional[bool], name: Optional[str], op: Optional[int],
+                prescale_factor: float, postscale_factor: float, process_set: ProcessSet,
+                *tensors: torch.Tensor) -> Any:
         ctx.average, ctx.op = average, op
         ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
         ctx.process_set = process_set
@@ -209,7 +230,7 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
                                   postscale_factor, process_set))
 
     @staticmethod
-    def backward(ctx, *grad_output):
+    def backward(ctx: Any, *grad_output: torch.Tensor) -> Any:
         grads = grouped_allreduce(list(grad_output), average=ctx.average, op=ctx.op,
                                   prescale_factor=ctx.prescale_factor,
                                   postscale_factor=ctx.postscale_factor,
@@ -217,8 +238,11 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
         return (None, None, None, None, None, None, *grads)
 
 
-def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
-                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                      name: Optional[str] = None, compression: Any = Compression.none,
+                      op: Optional[int] = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allreduce a list of tensors together; differentiable."""
     compressed, ctxs = _compress_all(tensors, compression)
     with _ops.blocking_name("grouped_allreduce", name, process_set) as name:
@@ -231,8 +255,10 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     return [compression.decompress(t, c) for t, c in zip(reduced, ctxs)]
 
 
-def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0, process_set=global_process_set) -> int:
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                             name: Optional[str] = None, op: Optional[int] = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> int:
     """In-place `grouped_allreduce_async`: every tensor of `tensors` is overwritten with its
     reduction; returns a handle for `synchronize()`. The group is negotiated and released as
     one unit, so either all of it completes or all of it fails."""
@@ -243,8 +269,10 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                             prescale_factor, postscale_factor, process_set, grouped=True)
 
 
-def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                       postscale_factor=1.0, process_set=global_process_set):
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                       name: Optional[str] = None, op: Optional[int] = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> tuple[torch.Tensor, ...]:
     """In-place `grouped_allreduce`: reduces every tensor of `tensors` into itself and
     returns them as a tuple."""
     for t in tensors:
@@ -255,7 +283,9 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
     return tuple(tensors)
 
 
-def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
+def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: Optional[int],
+                           process_set: ProcessSet = global_process_set
+                           ) -> Callable[[], torch.Tensor]:
     """Allreduce a sparse tensor by allgathering its indices and values; returns a callable
     that waits and returns the summed (or averaged) sparse tensor."""
     t = tensor.coalesce() if not tensor.is_coalesced() else tensor
@@ -264,7 +294,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     values_handle = allgather_async(t._values().contiguous(), name=f"{name}.values",
                                     process_set=process_set)
 
-    def handle():
+    def handle() -> torch.Tensor:
         values = synchronize(values_handle)
         indices = synchronize(indices_handle)
         if op == Average:
@@ -277,26 +307,29 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
 
 
 # ---------------------------------------------------------------------- allgather
-def _allgather_async(tensors, name, process_set, grouped: bool) -> int:
+def _allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str], process_set: ProcessSet,
+                     grouped: bool) -> int:
     handle = _ops.allgather(tensors, names=name, process_set=process_set, group=grouped or None)
     return _register(handle, tuple if grouped else _single)
 
 
-def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> int:
     """Asynchronous concatenation of every rank's tensor along dimension 0."""
     return _allgather_async([tensor], name, process_set, grouped=False)
 
 
 class HorovodAllgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name, process_set):
+    def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str],
+                process_set: ProcessSet) -> Any:
         out = synchronize(allgather_async(tensor, name, process_set))  # (refuses a scalar)
         ctx.dim = tensor.shape[0]
         ctx.process_set = process_set
         return out
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
         ps = ctx.process_set or global_process_set
         grad_reduced = allreduce(grad_output, op=Average, process_set=ps)  # Horovod's definition
         dims = allgather(torch.tensor([ctx.dim], dtype=torch.int32), process_set=ps)
@@ -305,7 +338,8 @@ class HorovodAllgather(torch.autograd.Function):
         return grad_reduced.narrow(0, offset, ctx.dim), None, None
 
 
-def allgather(tensor, name=None, process_set=global_process_set):
+def allgather(tensor: torch.Tensor, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every rank's tensor along dimension 0 (first dims may differ); differentiable."""
     with _ops.blocking_name("allgather", name, process_set) as name:
         if _traced((tensor,)):
@@ -313,7 +347,8 @@ def allgather(tensor, name=None, process_set=global_process_set):
         return synchronize(allgather_async(tensor, name, process_set))
 
 
-def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                            process_set: ProcessSet = global_process_set) -> int:
     """Allgather every tensor of `tensors` along dimension 0, as one group; returns a handle
     whose `synchronize()` gives the gathered tensors in the same order."""
     return _allgather_async(list(tensors), name, process_set, grouped=True)
@@ -321,14 +356,15 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set) 
 
 class HorovodGroupedAllgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, name, process_set, *tensors):
+    def forward(ctx: Any, name: Optional[str], process_set: ProcessSet,
+                *tensors: torch.Tensor) -> Any:
         out = tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
         ctx.dims = [t.shape[0] for t in tensors]
         ctx.process_set = process_set
         return out
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         ps = ctx.process_set or global_process_set
         reduced = grouped_allreduce(list(grads), op=Average, process_set=ps)
         dims = allgather(torch.tensor([ctx.dims], dtype=torch.int32), process_set=ps)
@@ -340,7 +376,8 @@ class HorovodGroupedAllgather(torch.autograd.Function):
         return (None, None, *out)
 
 
-def grouped_allgather(tensors, name=None, process_set=global_process_set):
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgather every tensor of `tensors` along dimension 0 (ranks may differ in that
     dimension only), as one group; differentiable. Returns the gathered tensors in order."""
     with _ops.blocking_name("grouped_allgather", name, process_set) as name:
@@ -350,13 +387,15 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 
 
 # ---------------------------------------------------------------------- broadcast
-def _broadcast_async(tensor, output, root_rank, name, process_set) -> int:
+def _broadcast_async(tensor: torch.Tensor, output: torch.Tensor, root_rank: int,
+                     name: Optional[str], process_set: ProcessSet) -> int:
     handle = _ops.broadcast([tensor], root_rank, names=name, process_set=process_set,
                             outputs=[output])
     return _register(handle, _single)
 
 
-def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> int:
     """Asynchronous broadcast from `root_rank` (a global rank); the input is not modified."""
     out = _ops.output_like(tensor)
     return _broadcast_async(tensor, out, root_rank, name, process_set)
@@ -364,20 +403,22 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
 
 class HorovodBroadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, root_rank, name, process_set):
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: Optional[str],
+                process_set: ProcessSet) -> Any:
         ctx.root_rank = root_rank
         ctx.process_set = process_set
         return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
         grad_reduced = allreduce(grad_output, op=Average, process_set=ctx.process_set)
         if _basics.rank() != ctx.root_rank:
             grad_reduced = grad_reduced * 0
         return grad_reduced, None, None, None
 
 
-def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
+def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Broadcast `tensor` from `root_rank`; differentiable."""
     with _ops.blocking_name("broadcast", name, process_set) as name:
         if _traced((tensor,)):
@@ -385,14 +426,16 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
         return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
-def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> int:
     """In-place asynchronous broadcast: `tensor` is overwritten with `root_rank`'s; returns a
     handle for `synchronize()`."""
     _check_inplace(tensor)
     return _broadcast_async(tensor, tensor.detach(), root_rank, name, process_set)
 
 
-def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place broadcast; returns `tensor`."""
     with _ops.blocking_name("broadcast", name, process_set) as name:
         synchronize(broadcast_async_(tensor, root_rank, name, process_set))
@@ -400,7 +443,7 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 
 
 # ---------------------------------------------------------------------- alltoall
-def _split_list(splits):
+def _split_list(splits: Any) -> Any:
     """Splits as (values, dtype name): Horovod reads splits as int32 (a list becomes
     torch.tensor(splits, dtype=torch.int32)); a tensor of another dtype is refused by the op layer
     before anything is sent, not reinterpreted."""
@@ -411,13 +454,14 @@ def _split_list(splits):
     return torch.tensor(splits, dtype=torch.int32).reshape(-1).tolist(), "int32"
 
 
-def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
+                   process_set: ProcessSet = global_process_set) -> int:
     """Asynchronous alltoall: rows splits[i] of `tensor` go to rank i of the set."""
     split_list, split_dtype = _split_list(splits)
     handle = _ops.alltoall(tensor, split_list, names=name, process_set=process_set,
                            splits_dtype=split_dtype)
 
-    def post(res):
+    def post(res: Any) -> Any:
         out, recv = res
         if isinstance(splits, torch.Tensor):
             recv = recv.to(dtype=splits.dtype)
@@ -428,7 +472,8 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
 
 class HorovodAlltoall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, splits, name, process_set):
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Optional[str],
+                process_set: ProcessSet) -> Any:
         output, received_splits = synchronize(alltoall_async(tensor, splits, name, process_set))
         ctx.process_set = process_set
         ctx.recvsplits = received_splits
@@ -438,13 +483,14 @@ class HorovodAlltoall(torch.autograd.Function):
         return output, received_splits
 
     @staticmethod
-    def backward(ctx, grad_output, *dead_gradients):
+    def backward(ctx: Any, grad_output: torch.Tensor, *dead_gradients: Any) -> Any:
         grad, _ = alltoall(grad_output.contiguous(), splits=ctx.recvsplits,
                            process_set=ctx.process_set)
         return grad, None, None, None
 
 
-def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
+             process_set: ProcessSet = global_process_set) -> Any:
     """Scatter rows of `tensor` to every rank and gather theirs; returns the output, plus the
     received splits when `splits` is given. Differentiable."""
     if _traced((tensor,)):
@@ -454,7 +500,8 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
 
 # ---------------------------------------------------------------------- reducescatter
-def _reducescatter_async(tensors, name, op, process_set, prescale_factor, postscale_factor,
+def _reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str], op: int,
+                         process_set: ProcessSet, prescale_factor: float, postscale_factor: float,
                          grouped: bool) -> int:
     handle = _ops.reducescatter(tensors, names=name, op=op, prescale=prescale_factor,
                                 postscale=postscale_factor, process_set=process_set,
@@ -462,8 +509,9 @@ def _reducescatter_async(tensors, name, op, process_set, prescale_factor, postsc
     return _register(handle, tuple if grouped else _single)
 
 
-def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
-                        prescale_factor=1.0, postscale_factor=1.0) -> int:
+def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: int = Average,
+                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> int:
     """Asynchronous reduce of `tensor` over ranks, each rank keeping its slice of dimension 0
     (the first dim % size ranks get one row more)."""
     return _reducescatter_async([tensor], name, op, process_set, prescale_factor,
@@ -472,20 +520,21 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
 
 class HorovodReducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
+    def forward(ctx: Any, tensor: torch.Tensor, name: Optional[str], op: int,
+                process_set: ProcessSet, prescale_factor: float, postscale_factor: float) -> Any:
         ctx.op, ctx.process_set = op, process_set
         ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
         return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor,
                                                postscale_factor))
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
         grad = allgather(grad_output.contiguous(), process_set=ctx.process_set)
         factor = _reducescatter_grad_factor(ctx)
         return (grad * factor if factor != 1.0 else grad), None, None, None, None, None
 
 
-def _reducescatter_grad_factor(ctx) -> float:
+def _reducescatter_grad_factor(ctx: Any) -> float:
     """What a reducescatter's gradient is multiplied by, as Horovod's backward does: the set's
     size for Sum (Horovod's definition), and both scale factors, which scale the forward
     result linearly. (Before, the scale factors were left out: a reducescatter with
@@ -494,8 +543,10 @@ def _reducescatter_grad_factor(ctx) -> float:
     return factor * ctx.prescale_factor * ctx.postscale_factor
 
 
-def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
-                  process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
+                  compression: Any = Compression.none, op: int = Average,
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce-scatter along dimension 0; differentiable."""
     compressed, cctx = compression.compress(tensor)
     with _ops.blocking_name("reducescatter", name, process_set) as name:
@@ -508,8 +559,9 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
     return compression.decompress(out, cctx)
 
 
-def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
-                                prescale_factor=1.0, postscale_factor=1.0) -> int:
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                                op: int = Average, process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
     """Reduce-scatter every tensor of `tensors` as one group (`op` Average or Sum); returns a
     handle whose `synchronize()` gives each rank its slice of each reduction, in order."""
     return _reducescatter_async(list(tensors), name, op, process_set, prescale_factor,
@@ -518,14 +570,15 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
 
 class HorovodGroupedReducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
+    def forward(ctx: Any, name: Optional[str], op: int, process_set: ProcessSet,
+                prescale_factor: float, postscale_factor: float, *tensors: torch.Tensor) -> Any:
         ctx.op, ctx.process_set = op, process_set
         ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
         return tuple(synchronize(grouped_reducescatter_async(list(tensors), name, op, process_set,
                                                              prescale_factor, postscale_factor)))
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         ps = ctx.process_set or global_process_set
         out = grouped_allgather([g.contiguous() for g in grads], process_set=ps)
         factor = _reducescatter_grad_factor(ctx)
@@ -534,9 +587,11 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
         return (None, None, None, None, None, *out)
 
 
-def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
-                          process_set=global_process_set, prescale_factor=1.0,
-                          postscale_factor=1.0):
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                          compression: Any = Compression.none, op: int = Average,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """Reduce-scatter every tensor of `tensors` as one group: each rank gets its slice of
     dimension 0 of each reduction (`op` Average or Sum); differentiable."""
     compressed, ctxs = _compress_all(tensors, compression)
@@ -557,7 +612,7 @@ def poll(handle: int) -> bool:
     return get_handle(handle).done()
 
 
-def synchronize(handle: int):
+def synchronize(handle: int) -> Any:
     """Wait for the operation and return its result; raises HorovodInternalError on failure."""
     with _handle_lock:
         entry = _handle_map.pop(handle, None)
@@ -567,13 +622,13 @@ def synchronize(handle: int):
     return post(h.wait())
 
 
-def join(device=-1) -> int:
+def join(device: int = -1) -> int:
     """Declare that this rank has no more data; until every rank has joined, this rank
     contributes zeros to other ranks' allreduces. Returns the rank that joined last."""
     return _ops.join().wait()
 
 
-def barrier(process_set=global_process_set) -> None:
+def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every rank of the process set has reached the barrier."""
     _ops.barrier(process_set).wait()
 
@@ -584,7 +639,7 @@ def _reset() -> None:
         _handle_map.clear()
 
 
-def init(comm=None, process_sets=None) -> None:
+def init(comm: Any = None, process_sets: Any = None) -> None:
     """Initialize hvdlite (Horovod's `hvd.init`)."""
     _reset()
     _basics.init(comm, process_sets)
