@@ -17,6 +17,8 @@ XLA cannot call Python: inside `jit_compile=True` every collective raises at tra
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -45,7 +47,7 @@ from .errors import eager_errors as _eager_errors
 Average, Sum, Adasum, Min, Max, Product = AVERAGE, SUM, ADASUM, MIN, MAX, PRODUCT
 
 
-def init(comm=None, process_sets=None) -> None:
+def init(comm: Any = None, process_sets: Any = None) -> None:
     """Initialize hvdlite (Horovod's `hvd.init`). `process_sets` is a list of ProcessSet, or
     "dynamic" to allow add_process_set/remove_process_set later. (Here, as in Horovod's
     horovod.tensorflow.mpi_ops, with the other basics.)"""
@@ -67,8 +69,10 @@ def _executing_eagerly() -> bool:
 
 
 # ---------------------------------------------------------------------- allreduce
-def _allreduce(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_factor=1.0,
-               ignore_name_scope=False, process_set=global_process_set):
+def _allreduce(tensor: tf.Tensor, name: Optional[str] = None, op: int = Sum,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               ignore_name_scope: bool = False,
+               process_set: ProcessSet = global_process_set) -> Any:
     """Reduce a dense tensor over the ranks of `process_set` (default op: Sum); differentiable."""
     tensor = tf.convert_to_tensor(tensor)
     set_id = _set_id(process_set)
@@ -81,12 +85,14 @@ def _allreduce(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_factor=
                                 float(postscale_factor), set_id)
 
 
-def _allreduce_named(tensor, wire, cacheable, op, pre, post, set_id):
+def _allreduce_named(tensor: tf.Tensor, wire: Any, cacheable: Optional[bool], op: int, pre: float,
+                     post: float, set_id: int) -> Any:
     return _grouped_allreduce_named([tensor], wire, cacheable, op, pre, post, set_id,
                                     grouped=False)[0]
 
 
-def _empty_grouped(kind: str, op_kind: str, name, ignore_name_scope, process_set) -> list:
+def _empty_grouped(kind: str, op_kind: str, name: Optional[str], ignore_name_scope: bool,
+                   process_set: ProcessSet) -> list:
     """A grouped call of no tensors (`kind`: its wire-name kind; `op_kind`: the op layer's
     collective): eagerly, this rank's part still goes to the other ranks under the call's
     group (common.ops._empty_group), so ranks that pass tensors fail at once with both
@@ -101,8 +107,10 @@ def _empty_grouped(kind: str, op_kind: str, name, ignore_name_scope, process_set
     return []
 
 
-def _grouped_allreduce(tensors, name=None, op=Sum, prescale_factor=1.0, postscale_factor=1.0,
-                       ignore_name_scope=False, process_set=global_process_set):
+def _grouped_allreduce(tensors: Sequence[tf.Tensor], name: Optional[str] = None, op: int = Sum,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       ignore_name_scope: bool = False,
+                       process_set: ProcessSet = global_process_set) -> Any:
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return _empty_grouped("GroupedAllreduce", "allreduce", name, ignore_name_scope,
@@ -123,16 +131,18 @@ def _member_names(wire: str, n: int) -> list:
     return [f"{wire}.{i}" for i in range(n)]
 
 
-def _grouped_allreduce_named(tensors, wire, cacheable, op, pre, post, set_id, grouped=True):
+def _grouped_allreduce_named(tensors: Sequence[tf.Tensor], wire: Any, cacheable: Optional[bool],
+                             op: int, pre: float, post: float, set_id: int,
+                             grouped: bool = True) -> Any:
     names = _member_names(wire, len(tensors)) if grouped else [wire]
     what = "HorovodGroupedAllreduce" if grouped else "HorovodAllreduce"
 
-    def forward(*xs):
+    def forward(*xs: Any) -> Any:
         return _run(what, lambda *ys: _rt_allreduce(list(ys), names, op, pre, post, set_id,
                                                     cacheable, group=wire if grouped else None),
                     list(xs), [x.dtype for x in xs], [x.shape for x in xs])
 
-    def grad(xs, outs, dys):
+    def grad(xs: Any, outs: Any, dys: Any) -> Any:
         # Horovod's definition: the gradient is reduced the same way.
         return _grouped_allreduce_named(filled(dys, xs), wire + ".grad", cacheable, op, pre,
                                         post, set_id, grouped)
@@ -140,8 +150,9 @@ def _grouped_allreduce_named(tensors, wire, cacheable, op, pre, post, set_id, gr
     return with_gradient(forward, grad, list(tensors))
 
 
-def _sparse_allreduce(slices, op, name, process_set, ignore_name_scope, prescale_factor=1.0,
-                      postscale_factor=1.0):
+def _sparse_allreduce(slices: Any, op: int, name: Optional[str], process_set: ProcessSet,
+                      ignore_name_scope: bool, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0) -> Any:
     """An IndexedSlices 'allreduce': two allgathers (values, indices); Average divides by the
     set size at run time."""
     if op == Adasum:
@@ -164,8 +175,9 @@ def _sparse_allreduce(slices, op, name, process_set, ignore_name_scope, prescale
         return tf.IndexedSlices(new_values, new_indices, dense_shape=slices.dense_shape)
 
 
-def _sparse_allreduce_named(values, indices, wire, cacheable, op, set_id):
-    def fn(v, i):
+def _sparse_allreduce_named(values: Any, indices: Any, wire: Any, cacheable: Optional[bool],
+                            op: int, set_id: int) -> Any:
+    def fn(v: Any, i: Any) -> Any:
         return _rt_allgather([v, i], [f"{wire}.values", f"{wire}.indices"], set_id, cacheable)
 
     vshape = tf.TensorShape([None]).concatenate(values.shape[1:])
@@ -179,7 +191,8 @@ def _sparse_allreduce_named(values, indices, wire, cacheable, op, set_id):
 
 # ---------------------------------------------------------------------- allgather
 @_eager_errors
-def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
+def allgather(tensor: tf.Tensor, name: Optional[str] = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Concatenate every rank's tensor along dimension 0 (first dimensions may differ);
     differentiable."""
     tensor = tf.convert_to_tensor(tensor)
@@ -194,14 +207,14 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
         return restore(_allgather_named(tensor, wire, cacheable, set_id))
 
 
-def _allgather_named(tensor, wire, cacheable, set_id):
+def _allgather_named(tensor: tf.Tensor, wire: Any, cacheable: Optional[bool], set_id: int) -> Any:
     return _grouped_allgather_named([tensor], wire, cacheable, set_id, grouped=False)[0]
 
 
-def _gather_grad(dys, xs, wires, cacheable, set_id) -> list:
+def _gather_grad(dys: Any, xs: Any, wires: Any, cacheable: Optional[bool], set_id: int) -> list:
     """Horovod's allgather gradient: average the incoming gradient over the set, then keep this
     rank's rows (offsets from an allgather of every rank's first dimension)."""
-    def fn(*args):
+    def fn(*args: Any) -> Any:
         n = len(dys)
         grads, dims = list(args[:n]), list(args[n:])
         reduced = _rt_allreduce(grads, [f"{w}" for w in wires], Average, 1.0, 1.0, set_id,
@@ -222,8 +235,9 @@ def _gather_grad(dys, xs, wires, cacheable, set_id) -> list:
 
 
 @_eager_errors
-def grouped_allgather(tensors, name=None, ignore_name_scope=False,
-                      process_set=global_process_set):
+def grouped_allgather(tensors: Sequence[tf.Tensor], name: Optional[str] = None,
+                      ignore_name_scope: bool = False,
+                      process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """Allgather a list of tensors together (released and fused as one group);
     differentiable."""
     tensors = [tf.convert_to_tensor(t) for t in tensors]
@@ -243,16 +257,17 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
         return [restore(o) for o, (_, restore) in zip(outs, moved)]
 
 
-def _grouped_allgather_named(tensors, wire, cacheable, set_id, grouped=True):
+def _grouped_allgather_named(tensors: Sequence[tf.Tensor], wire: Any, cacheable: Optional[bool],
+                             set_id: int, grouped: bool = True) -> Any:
     names = _member_names(wire, len(tensors)) if grouped else [wire]
     what = "HorovodGroupedAllgather" if grouped else "HorovodAllgather"
 
-    def forward(*xs):
+    def forward(*xs: Any) -> Any:
         return _run(what, lambda *ys: _rt_allgather(list(ys), names, set_id, cacheable,
                                                     group=wire if grouped else None),
                     list(xs), [x.dtype for x in xs], [gather_shape(x) for x in xs])
 
-    def grad(xs, outs, dys):
+    def grad(xs: Any, outs: Any, dys: Any) -> Any:
         return _gather_grad(filled(dys, outs), xs, [f"{n}.grad" for n in names], cacheable,
                             set_id)
 
@@ -261,8 +276,9 @@ def _grouped_allgather_named(tensors, wire, cacheable, set_id, grouped=True):
 
 # ---------------------------------------------------------------------- broadcast
 @_eager_errors
-def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
-              process_set=global_process_set):
+def broadcast(tensor: tf.Tensor, root_rank: int, name: Optional[str] = None,
+              ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Broadcast `tensor` from `root_rank` (a global rank) to every rank of the set;
     differentiable."""
     tensor = tf.convert_to_tensor(tensor)
@@ -274,14 +290,15 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
         return restore(_broadcast_named(tensor, int(root_rank), wire, cacheable, set_id))
 
 
-def _broadcast_named(tensor, root_rank, wire, cacheable, set_id):
-    def forward(x):
+def _broadcast_named(tensor: tf.Tensor, root_rank: int, wire: Any, cacheable: Optional[bool],
+                     set_id: int) -> Any:
+    def forward(x: Any) -> Any:
         return _run("HorovodBroadcast", lambda y: _rt_broadcast([y], [wire], root_rank, set_id,
                                                                 cacheable),
                     [x], [x.dtype], [x.shape])
 
-    def grad(xs, outs, dys):
-        def gfn(g):
+    def grad(xs: Any, outs: Any, dys: Any) -> Any:
+        def gfn(g: Any) -> Any:
             (red,) = _rt_allreduce([g], [wire + ".grad"], Average, 1.0, 1.0, set_id, cacheable)
             return [red if _basics.rank() == root_rank else tf.zeros_like(red)]
 
@@ -291,7 +308,7 @@ def _broadcast_named(tensor, root_rank, wire, cacheable, set_id):
     return with_gradient(forward, grad, [tensor])[0]
 
 
-def _tf_variable(var):
+def _tf_variable(var: Any) -> Any:
     """The tf.Variable behind a tf.Variable or a Keras 3 variable (None for anything else)."""
     if isinstance(var, tf.Variable):
         return var
@@ -299,12 +316,13 @@ def _tf_variable(var):
     return inner if isinstance(inner, tf.Variable) else None
 
 
-def _read(var):
+def _read(var: Any) -> Any:
     v = _tf_variable(var)
     return v.read_value() if v is not None else tf.convert_to_tensor(var)
 
 
-def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
+def broadcast_(variables: Any, root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> Any:
     """Broadcast `variables` in place from `root_rank`; returns their new values."""
     single = not isinstance(variables, (list, tuple))
     variables = [variables] if single else list(variables)
@@ -327,8 +345,9 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     return out[0] if single else out
 
 
-def broadcast_group(tensors, root_rank, name=None, process_set=global_process_set,
-                    kind="BroadcastGroup", ignore_name_scope=False):
+def broadcast_group(tensors: Sequence[tf.Tensor], root_rank: int, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set, kind: str = "BroadcastGroup",
+                    ignore_name_scope: bool = False) -> Any:
     """Broadcast many tensors in one node/one submission (they fuse); not differentiable.
 
     Eagerly, an empty list takes part too (common.ops._empty_group): where other ranks pass
@@ -343,7 +362,7 @@ def broadcast_group(tensors, root_rank, name=None, process_set=global_process_se
             moved = [_movable(t, "broadcast") for t in tensors]
         root = int(root_rank)
 
-        def fn(*xs):
+        def fn(*xs: Any) -> Any:
             # Grouped: ranks that pass different numbers of variables (models that differ)
             # fail at once with both counts, instead of waiting for names never sent.
             return _rt_broadcast(list(xs), names, root, set_id, cacheable, group=wire)
@@ -354,7 +373,7 @@ def broadcast_group(tensors, root_rank, name=None, process_set=global_process_se
 
 
 # ---------------------------------------------------------------------- alltoall
-def _alltoall_splits_tensor(splits):
+def _alltoall_splits_tensor(splits: Any) -> Any:
     """Horovod converts splits with tf.convert_to_tensor(splits, dtype=tf.int32): lists of ints
     and int32 tensors pass; a tensor of another dtype (int64, float) is refused."""
     if isinstance(splits, (tf.Tensor, tf.Variable)) and splits.dtype != tf.int32:
@@ -366,8 +385,8 @@ def _alltoall_splits_tensor(splits):
 
 
 @_eager_errors
-def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
-             process_set=global_process_set):
+def alltoall(tensor: tf.Tensor, splits: Any = None, name: Optional[str] = None,
+             ignore_name_scope: bool = False, process_set: ProcessSet = global_process_set) -> Any:
     """Send rows `splits[i]` of `tensor` to rank i of the set and gather what every rank sent
     here. Returns the output, plus the received splits when `splits` is given; differentiable."""
     tensor = tf.convert_to_tensor(tensor)
@@ -388,15 +407,15 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     return out
 
 
-def _alltoall_named(tensor, splits, wire, set_id):
-    def forward(x):
+def _alltoall_named(tensor: tf.Tensor, splits: Any, wire: Any, set_id: int) -> Any:
+    def forward(x: Any) -> Any:
         inputs = [x] + ([splits] if splits is not None else [])
         out, recv = _run("HorovodAlltoall",
                          lambda y, *s: list(_rt_alltoall(y, s[0] if s else None, wire, set_id)),
                          inputs, [x.dtype, tf.int32], [gather_shape(x), tf.TensorShape([None])])
         return [out, tf.stop_gradient(recv)]
 
-    def grad(xs, outs, dys):
+    def grad(xs: Any, outs: Any, dys: Any) -> Any:
         # Send every row back where it came from.
         g, _ = _alltoall_named(filled(dys[:1], outs)[0], outs[1], wire + ".grad", set_id)
         g.set_shape(xs[0].shape)
@@ -407,15 +426,16 @@ def _alltoall_named(tensor, splits, wire, set_id):
 
 
 # ---------------------------------------------------------------------- reducescatter
-def _check_reducescatter_op(op) -> None:
+def _check_reducescatter_op(op: int) -> None:
     if op == Adasum:
         raise NotImplementedError("reducescatter does not support op=Adasum")
     if op not in (Average, Sum, Min, Max, Product):
         raise ValueError("reducescatter supports op Average, Sum, Min, Max or Product")
 
 
-def _reducescatter(tensor, name=None, op=Sum, ignore_name_scope=False,
-                   process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+def _reducescatter(tensor: tf.Tensor, name: Optional[str] = None, op: int = Sum,
+                   ignore_name_scope: bool = False, process_set: ProcessSet = global_process_set,
+                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
     tensor = tf.convert_to_tensor(tensor)
     set_id = _set_id(process_set)
     _check_graph("hvd.reducescatter")
@@ -429,9 +449,10 @@ def _reducescatter(tensor, name=None, op=Sum, ignore_name_scope=False,
                                             float(postscale_factor), set_id, grouped=False)[0]
 
 
-def _grouped_reducescatter(tensors, name=None, op=Sum, ignore_name_scope=False,
-                           process_set=global_process_set, prescale_factor=1.0,
-                           postscale_factor=1.0):
+def _grouped_reducescatter(tensors: Sequence[tf.Tensor], name: Optional[str] = None, op: int = Sum,
+                           ignore_name_scope: bool = False,
+                           process_set: ProcessSet = global_process_set,
+                           prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return _empty_grouped("GroupedReducescatter", "reducescatter", name, ignore_name_scope,
@@ -450,17 +471,19 @@ def _grouped_reducescatter(tensors, name=None, op=Sum, ignore_name_scope=False,
                                             float(postscale_factor), set_id, grouped=True)
 
 
-def _grouped_reducescatter_named(tensors, wire, cacheable, op, pre, post, set_id, grouped):
+def _grouped_reducescatter_named(tensors: Sequence[tf.Tensor], wire: Any, cacheable: Optional[bool],
+                                 op: int, pre: float, post: float, set_id: int,
+                                 grouped: bool) -> Any:
     names = _member_names(wire, len(tensors)) if grouped else [wire]
 
-    def forward(*xs):
+    def forward(*xs: Any) -> Any:
         return _run("HorovodReducescatter",
                     lambda *ys: _rt_reducescatter(list(ys), names, op, pre, post, set_id,
                                                   cacheable, group=wire if grouped else None),
                     list(xs), [x.dtype for x in xs], [gather_shape(x) for x in xs])
 
-    def grad(xs, outs, dys):
-        def gfn(*gs):
+    def grad(xs: Any, outs: Any, dys: Any) -> Any:
+        def gfn(*gs: Any) -> Any:
             gathered = _rt_allgather(list(gs), [f"{n}.grad" for n in names], set_id, cacheable,
                                      group=(wire + ".grad") if grouped else None)
             # Horovod's _reducescatter_grad: Sum's gradient is scaled by the set size, and
@@ -478,24 +501,24 @@ def _grouped_reducescatter_named(tensors, wire, cacheable, op, pre, post, set_id
 
 
 # ---------------------------------------------------------------------- control
-def join():
+def join() -> Any:
     """This rank has no more data: until every rank has joined, it contributes zeros to the other
     ranks' allreduces. Returns (as an int32 scalar tensor) the rank that joined last."""
     _check_graph("hvd.join")
 
-    def fn():
+    def fn() -> Any:
         return [tf.constant(_cops.join().wait(), dtype=tf.int32)]
 
     return _run("HorovodJoin", fn, [], [tf.int32], [tf.TensorShape([])])[0]
 
 
-def barrier(process_set=global_process_set):
+def barrier(process_set: ProcessSet = global_process_set) -> Any:
     """Block until every rank of the set reaches the barrier. Eagerly returns None; in a graph
     returns the barrier node (run in program order inside tf.function)."""
     sid = _set_id(process_set)
     _check_graph("hvd.barrier")
 
-    def fn():
+    def fn() -> Any:
         _cops.barrier(sid).wait()
         return [tf.constant(0, dtype=tf.int32)]
 
@@ -504,31 +527,31 @@ def barrier(process_set=global_process_set):
 
 
 # ---------------------------------------------------------------------- topology as graph ops
-def _scalar_op(what: str, value_fn, name=None):
-    def fn():
+def _scalar_op(what: str, value_fn: Callable[[], Any], name: Optional[str] = None) -> Any:
+    def fn() -> Any:
         return [tf.constant(int(value_fn()), dtype=tf.int32)]
     if tf.executing_eagerly():
         return fn()[0]
     return _run(name or what, fn, [], [tf.int32], [tf.TensorShape([])])[0]
 
 
-def size_op(process_set_id=0, name=None):
+def size_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
     """The number of ranks of a process set, evaluated when the graph runs (not when it is
     built), so a graph survives an elastic resize."""
     return _scalar_op("HorovodSize", lambda: _set_size(process_set_id), name)
 
 
-def local_size_op(name=None):
+def local_size_op(name: Optional[str] = None) -> tf.Tensor:
     """The number of ranks on this host, evaluated when the graph runs."""
     return _scalar_op("HorovodLocalSize", _basics.local_size, name)
 
 
-def rank_op(name=None):
+def rank_op(name: Optional[str] = None) -> tf.Tensor:
     """This process's rank, evaluated when the graph runs."""
     return _scalar_op("HorovodRank", _basics.rank, name)
 
 
-def local_rank_op(name=None):
+def local_rank_op(name: Optional[str] = None) -> tf.Tensor:
     """This process's rank on its host, evaluated when the graph runs."""
     return _scalar_op("HorovodLocalRank", _basics.local_rank, name)
 
@@ -537,10 +560,10 @@ HOROVOD_PROCESS_SET_ERROR_INIT = -1
 HOROVOD_PROCESS_SET_ERROR_UNKNOWN_SET = -2
 
 
-def process_set_included_op(process_set_id=0, name=None):
+def process_set_included_op(process_set_id: int = 0, name: Optional[str] = None) -> tf.Tensor:
     """1 if this process belongs to the set, 0 if not, or a negative error code
     (HOROVOD_PROCESS_SET_ERROR_INIT: not initialized, ..._UNKNOWN_SET: no such set)."""
-    def value():
+    def value() -> Any:
         if not _basics.is_initialized():
             return HOROVOD_PROCESS_SET_ERROR_INIT
         try:
