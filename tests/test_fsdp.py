@@ -33,9 +33,9 @@ def test_fully_shard_4_ranks_with_compiled_blocks():
 
 
 @pytest.mark.timeout(150)
-def test_hybrid_sharding_4_ranks():
+def test_hybrid_sharding_and_tensor_parallel_4_ranks():
     out = hvdlite_run("fsdp_checks.py", np=4, args=["--hybrid"], timeout=140).stdout
-    _all_ranks_finished(out, 4, 2)
+    _all_ranks_finished(out, 4, 3)
 
 
 @pytest.mark.timeout(300)

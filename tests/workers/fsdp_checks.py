@@ -264,6 +264,48 @@ def hybrid_sharding():
         fail(f"hybrid: rank {R} holds {held} of {total} elements, sharded over 2")
 
 
+def tensor_parallel_inside_mesh():
+    """tp=2 inside the mesh: each tensor-parallel shard sharded again over the dp ranks."""
+    from hvdlite.torch import parallel
+    m = parallel.mesh(tp=2)
+    torch.manual_seed(SEED)
+    dense = nn.Sequential(nn.Linear(D_IN, 8), nn.Tanh(), nn.Linear(8, D_OUT))
+
+    class TP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.col = parallel.ColumnParallelLinear(D_IN, 8)
+            self.row = parallel.RowParallelLinear(8, D_OUT)
+
+        def forward(self, x):
+            return self.row(torch.tanh(self.col(x)))
+
+    model = TP()
+    parallel.load_full_state_dict(model, {"col.weight": dense[0].weight, "col.bias": dense[0].bias,
+                                          "row.weight": dense[2].weight, "row.bias": dense[2].bias})
+    hvd.fully_shard(model.col, process_set=m)
+    hvd.fully_shard(model, process_set=m)
+    opt = make_opt(model.parameters())
+    ref_opt = make_opt(dense.parameters())
+    for s in range(STEPS):
+        x, y = data(s)
+        opt.zero_grad()
+        loss_of(model(mine(x, m.dp_size, m.dp_rank)), mine(y, m.dp_size, m.dp_rank)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        loss_of(dense(x), y).backward()
+        ref_opt.step()
+    full = hvd.full_state_dict(model)
+    t, half = m.tp_rank, 4
+    want = {"col.weight": dense[0].weight[t * half:(t + 1) * half],
+            "col.bias": dense[0].bias[t * half:(t + 1) * half],
+            "row.weight": dense[2].weight[:, t * half:(t + 1) * half], "row.bias": dense[2].bias}
+    for k, v in want.items():
+        if tuple(full[k].shape) != tuple(v.shape) or not torch.allclose(full[k], v, rtol=TOL,
+                                                                        atol=TOL):
+            fail(f"tp=2 x fully_shard: {k} differs from the dense model's slice")
+
+
 def compiled_blocks():
     model = make_model()
     shard(model)
@@ -358,6 +400,7 @@ if __name__ == "__main__":
     elif "--hybrid" in ARGS:
         check("hybrid_sharding", hybrid_sharding)
         check("bad_inputs_hybrid", bad_inputs)
+        check("tensor_parallel_inside_mesh", tensor_parallel_inside_mesh)
     else:
         check("adam_fully_sharded", adam_fully_sharded)
         check("keep_gathered_after_forward", keep_gathered_after_forward)
