@@ -2,12 +2,20 @@
 
 Worker: fsdp_checks.py (float64; Adam, each policy, no_sync, clip_grad_norm_, a tied weight,
 torch.compile on the blocks, DistributedOptimizer's refusal and every bad input on 2 and 4 ranks;
-hybrid sharding over parallel.mesh(dp_shard=2, dp_replicate=2); a sharded checkpoint saved on 2
-ranks, continued on 4, saved, continued on 2, each time equal to one process's weights).
+hybrid sharding over parallel.mesh(dp_shard=2, dp_replicate=2) and tp=2 inside the mesh; a sharded
+checkpoint saved on 2 ranks, continued on 4, saved, continued on 2, each time equal to one
+process's weights), and elastic_train.py with ELASTIC_FSDP=1 (an elastic job shrunk from 3 ranks
+to 2 re-shards and loses no committed step).
 """
 from __future__ import annotations
 
+import os
+import signal
+import socket
+
 import pytest
+import test_elastic as te  # the elastic job harness and its exact reference
+from test_elastic import jobs  # noqa: F401  (fixture)
 from util import hvdlite_run, rank_lines
 
 
@@ -26,16 +34,10 @@ def test_fully_shard_matches_single_process_2_ranks():
     _all_ranks_finished(out, 2, 9)
 
 
-@pytest.mark.timeout(200)
-def test_fully_shard_4_ranks_with_compiled_blocks():
-    out = hvdlite_run("fsdp_checks.py", np=4, args=["--compile"], timeout=190).stdout
-    _all_ranks_finished(out, 4, 10)
-
-
-@pytest.mark.timeout(150)
-def test_hybrid_sharding_and_tensor_parallel_4_ranks():
-    out = hvdlite_run("fsdp_checks.py", np=4, args=["--hybrid"], timeout=140).stdout
-    _all_ranks_finished(out, 4, 3)
+@pytest.mark.timeout(240)
+def test_fully_shard_4_ranks_compiled_blocks_hybrid_and_tensor_parallel():
+    out = hvdlite_run("fsdp_checks.py", np=4, args=["--compile", "--hybrid"], timeout=230).stdout
+    _all_ranks_finished(out, 4, 13)
 
 
 @pytest.mark.timeout(300)
@@ -50,3 +52,27 @@ def test_sharded_checkpoint_resharded_2_to_4_to_2(tmp_path):
         out = hvdlite_run("fsdp_checks.py", np=np, args=args, timeout=90).stdout
         _all_ranks_finished(out, np, 1)
         assert len(list((tmp_path / save).glob("rank*.pt"))) == np
+
+
+@pytest.mark.timeout(180)
+def test_elastic_fully_sharded_model_resized_3_to_2(tmp_path, jobs):  # noqa: F811
+    """Kill rank 0 of a 3-rank job whose model is fully sharded: the survivors roll back to the
+    last commit, cut every parameter again over 2 ranks and finish with the exact
+    single-process weights and momentum buffers, every committed step done once."""
+    total = 16
+    host = socket.gethostname()
+    job = te.ElasticJob(tmp_path, ["localhost:1", "127.0.0.1:1", f"{host}:1"],
+                        ["-np", "3", "--min-np", "2", "--max-np", "3",
+                         "--blacklist-cooldown-range", "600", "600"],
+                        env={**te.worker_env(total), "ELASTIC_FSDP": "1"})
+    jobs.append(job)
+    job.wait_progress("localhost:0", 5, size=3)
+    os.kill(job.pid("localhost:0"), signal.SIGKILL)
+    job.wait_for_line(r"reset 1: round 2 with 2 workers")
+    assert job.finish() == 0, job.err_text()
+    result = job.result()
+    te.check_exact(result, total)
+    _, momentum = te.elastic_train.reference(total, momentum=True)
+    assert result["momentum"] == momentum
+    assert result["size"] == 2 and result["reset_sizes"] == [2]
+    assert job.leftovers() == []

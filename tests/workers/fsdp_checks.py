@@ -1,6 +1,7 @@
 """fully_shard against one process training on the whole global batch, float64.
 
-    hvdlite-run -np N python fsdp_checks.py [--hybrid] [--save DIR --steps K] [--load DIR]
+    hvdlite-run -np N python fsdp_checks.py [--compile] [--hybrid]
+    hvdlite-run -np N python fsdp_checks.py --save DIR [--steps K] [--load DIR]
 
 Every rank trains on its slice of the same global batch of GLOBAL rows, so the result does not
 depend on the number of ranks and a checkpoint saved on 2 ranks continues on 4 to the very
@@ -397,10 +398,6 @@ if __name__ == "__main__":
     if "--save" in ARGS:
         check("checkpoint_round", checkpoint_round, arg("--load"), arg("--save"),
               int(arg("--steps") or 2))
-    elif "--hybrid" in ARGS:
-        check("hybrid_sharding", hybrid_sharding)
-        check("bad_inputs_hybrid", bad_inputs)
-        check("tensor_parallel_inside_mesh", tensor_parallel_inside_mesh)
     else:
         check("adam_fully_sharded", adam_fully_sharded)
         check("keep_gathered_after_forward", keep_gathered_after_forward)
@@ -413,5 +410,9 @@ if __name__ == "__main__":
         check("bad_inputs", bad_inputs)
         if "--compile" in ARGS:
             check("compiled_blocks", compiled_blocks)
+        if "--hybrid" in ARGS:      # last: the meshes become the default process sets
+            check("hybrid_sharding", hybrid_sharding)
+            check("bad_inputs_hybrid", bad_inputs)
+            check("tensor_parallel_inside_mesh", tensor_parallel_inside_mesh)
     finish()
     hvd.shutdown()

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ...common import basics as _basics
+from ...common import elastic as _elastic
 from ...common.process_sets import ProcessSet, global_process_set
 from ..functions import allgather_object
 from .params import ShardedParam, ShardGroup
@@ -135,7 +136,14 @@ def _local_problem(label: str, module: nn.Module, slots: list, shard: Any) -> st
 
 def _agree(label: str, report: dict) -> None:
     """One allgather over the whole job; every rank raises the same error if any rank has a
-    problem, or if ranks of one shard group differ in what they shard."""
+    problem, or if ranks of one shard group differ in what they shard.
+
+    In an elastic job the check is this rank's alone: a worker that joins later builds and
+    shards its model while the others are already training, so no collective may be made."""
+    if _elastic.is_elastic():
+        if report["problem"]:
+            raise ValueError(f"fully_shard({label}) refused: {report['problem']}")
+        return
     reports = allgather_object(report, name=f"fsdp.check.{report['call']}",
                                process_set=global_process_set)
     problems = [f"rank {r}: {rep['problem']}" for r, rep in enumerate(reports) if rep["problem"]]
@@ -216,9 +224,12 @@ def fully_shard(module: nn.Module, *, process_set: Any = None, reshard_after_for
                           offload.pin_memory)
         p._hvd_fsdp_owner = label
         sp.sharded._hvd_fsdp = sp
+        sp.uid = call
         sp.use_sharded()
         params.append(sp)
     unit = FSDPUnit(module, call, params, group, reshard_after_forward, mp, offload)
+    for sp in params:
+        sp.unit = unit
     for sp in unit.grad_params:
         sp.full.register_post_accumulate_grad_hook(make_post_accumulate(unit))
     module._hvd_fsdp_unit = unit

@@ -121,6 +121,20 @@ class ShardedParam:
         for module, attr in self.slots:
             module._parameters[attr] = self.sharded
 
+    def relayout(self, group: ShardGroup) -> None:
+        """Cut again over `group` (an elastic job's new membership), keeping the Parameter the
+        optimizer and the module hold; the rows are zeros until a state dict is loaded."""
+        self.group = group
+        self.rows = max(1, -(-self.dim0 // group.size))
+        self.start = min(self.dim0, group.rank * self.rows)
+        self.valid = max(0, min(self.rows, self.dim0 - self.start))
+        self.padded = torch.zeros((self.rows, *self.rest), dtype=self.padded.dtype,
+                                  device=self.storage_device)
+        self.sharded.data = self.padded[:self.valid]
+        self.sharded.grad = None
+        self.full.grad = None
+        self.free()
+
     # ------------------------------------------------------------------ gradients
     def grad_to_reduce(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The gathered gradient padded to `rows * n` rows, in `dtype` (the reduce-scatter's

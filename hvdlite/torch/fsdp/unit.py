@@ -82,6 +82,23 @@ class FSDPUnit:
         for p in self.params:
             p.use_sharded()
 
+    def recover(self, group: ShardGroup | None = None) -> None:
+        """After a failed step (elastic rollback): drop the collectives the failure left,
+        free the gathered parameters and put the shards back in the module; with `group`, cut
+        every parameter again over it."""
+        self._gather, self._reduce, self.fired = None, None, 0
+        for p in self.params:
+            p.full.grad = None
+            p.free()
+            if group is not None:
+                p.relayout(group)
+            p.use_sharded()
+        if group is not None:
+            self.group = group
+        if self.schedule is not None:
+            self.schedule.depth, self.schedule.reducing = 0, None
+            self.schedule.callback_queued = False
+
     # ------------------------------------------------------------------ gradients
     def reduce_dtype(self, p: ShardedParam) -> torch.dtype:
         return self.mp.reduce_dtype or self.mp.param_dtype or p.sharded.dtype
