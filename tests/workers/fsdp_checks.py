@@ -220,6 +220,26 @@ def mixed_precision_policy():
     same_model(model, ref, "MixedPrecisionPolicy(param_dtype=float32)", tol=1e-5)
 
 
+def bfloat16_compute():
+    """bf16 gathers and compute, float32 reduction, float64 masters: the GPU recipe on the CPU.
+    bf16 keeps 8 bits of mantissa, so the sums of different batch slices differ by its
+    rounding; the check is that the path runs and tracks one process computing in bf16."""
+    mp = hvd.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = make_model()
+    for b in model.blocks:
+        hvd.fully_shard(b, mp_policy=mp)
+    hvd.fully_shard(model, mp_policy=mp)
+    opt = make_opt(model.parameters())
+    unit = model._hvd_fsdp_unit
+    if unit.params[0].full.dtype != torch.bfloat16:
+        fail(f"the gathered parameters are {unit.params[0].full.dtype}, not bfloat16")
+    train(model, opt, steps=2)
+    if any(p.grad.dtype != torch.float64 for p in model.parameters() if p.grad is not None):
+        fail("bf16: the sharded gradients are not in the masters' float64")
+    ref, _ = reference(steps=2, compute_dtype=torch.bfloat16)
+    same_model(model, ref, "MixedPrecisionPolicy(param_dtype=bfloat16)", tol=5e-3)
+
+
 def cpu_offload_policy():
     model = shard(make_model(), offload_policy=hvd.CPUOffloadPolicy())
     opt = make_opt(model.parameters())
@@ -402,6 +422,7 @@ if __name__ == "__main__":
         check("adam_fully_sharded", adam_fully_sharded)
         check("keep_gathered_after_forward", keep_gathered_after_forward)
         check("mixed_precision_policy", mixed_precision_policy)
+        check("bfloat16_compute", bfloat16_compute)
         check("cpu_offload_policy", cpu_offload_policy)
         check("no_sync_accumulation", no_sync_accumulation)
         check("clip_grad_norm", clip_grad_norm)
