@@ -76,3 +76,22 @@ def test_elastic_fully_sharded_model_resized_3_to_2(tmp_path, jobs):  # noqa: F8
     assert result["momentum"] == momentum
     assert result["size"] == 2 and result["reset_sizes"] == [2]
     assert job.leftovers() == []
+
+
+def test_mesh_groups_split_dp_into_shard_and_replicate():
+    """The hybrid layout: shard groups are consecutive data-parallel ranks, replicas the same
+    place in each; without dp_shard/dp_replicate the mesh is as before."""
+    from hvdlite.torch.parallel.groups import mesh_groups
+    g = mesh_groups(8, tp=2, dp_shard=2)
+    assert g["dp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert g["dp_shard"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["dp_replicate"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert all(s in g["all"] for s in g["dp_shard"] + g["dp_replicate"])
+    plain = mesh_groups(4, tp=2)
+    assert plain["dp_shard"] == plain["dp"] and plain["dp_replicate"] == []
+    assert plain["all"] == [[0, 1], [2, 3], [0], [1], [2], [3], [0, 2], [1, 3]]
+    assert mesh_groups(4, dp_replicate=4)["dp_shard"] == [[0], [1], [2], [3]]
+    with pytest.raises(ValueError, match="pick factors of 4"):
+        mesh_groups(4, dp_shard=3)
+    with pytest.raises(ValueError, match="dp must be dp_shard"):
+        mesh_groups(4, dp=4, dp_shard=2, dp_replicate=1)

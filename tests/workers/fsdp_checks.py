@@ -340,10 +340,11 @@ def compiled_blocks():
 
 def distributed_optimizer_refused():
     model = shard(make_model())
+    named = list(model.named_parameters())
     expect_raises(ValueError, lambda: hvd.DistributedOptimizer(make_opt(model.parameters()),
-                                                               named_parameters=model.named_parameters()),
-                  "DistributedOptimizer over shards", match=["fully_shard", "plain torch.optim",
-                                                              "reduce_dtype"])
+                                                               named_parameters=named),
+                  "DistributedOptimizer over shards",
+                  match=["fully_shard", "plain torch.optim", "reduce_dtype"])
 
 
 def bad_inputs():

@@ -17,12 +17,9 @@ from ...common.process_sets import global_process_set
 from .. import functions as _functions
 from ..elastic.state import StateHandler, get_handler_registry, set_handler_registry
 from .api import FSDPModule
-from .params import ShardedParam, ShardGroup
-from .state_dict import _gather_rows, full_state_dict, load_full_state_dict
-
-
-def _sharded_params(optimizer: torch.optim.Optimizer) -> list[ShardedParam | None]:
-    return [getattr(p, "_hvd_fsdp", None) for g in optimizer.param_groups for p in g["params"]]
+from .params import ShardGroup
+from .state_dict import (_sharded_of, full_optimizer_state_dict, full_state_dict,
+                         load_full_optimizer_state_dict, load_full_state_dict)
 
 
 def _units_of_params(sps) -> list:
@@ -51,7 +48,7 @@ def _recut(units) -> None:
 class _ShardedOptimizerKind(type):
     def __instancecheck__(cls, value: Any) -> bool:
         return isinstance(value, torch.optim.Optimizer) and any(
-            sp is not None for sp in _sharded_params(value))
+            sp is not None for sp in _sharded_of(value))
 
 
 class ShardedOptimizer(metaclass=_ShardedOptimizerKind):
@@ -90,40 +87,13 @@ class FullyShardedOptimizerStateHandler(StateHandler):
         super().__init__(optimizer)
         self._saved: dict | None = None
 
-    def _full(self) -> dict:
-        osd = self.value.state_dict()
-        sps = _sharded_params(self.value)
-        state = {k: dict(v) for k, v in osd["state"].items()}
-        for u in _units_of_params(sps):
-            pairs, where = [], []
-            for i, sp in enumerate(sps):
-                if sp is None or sp.unit is not u or i not in state:
-                    continue
-                for key, v in sorted(state[i].items()):
-                    if torch.is_tensor(v) and v.dim() > 0 and v.shape == sp.sharded.shape:
-                        pairs.append((sp, v))
-                        where.append((i, key))
-            for (i, key), w in zip(where, _gather_rows(pairs, f"fsdp.{u.uid}.elastic")):
-                state[i][key] = w
-        return {"state": state, "param_groups": osd["param_groups"]}
-
-    def _load(self, full: dict) -> None:
-        sps = _sharded_params(self.value)
-        state = {}
-        for i, entry in full["state"].items():
-            sp = sps[int(i)]
-            state[i] = {k: (sp.my_rows(v).clone() if sp is not None and torch.is_tensor(v)
-                            and v.dim() > 0 and tuple(v.shape) == sp.orig_shape else v)
-                        for k, v in entry.items()}
-        self.value.load_state_dict({"state": state, "param_groups": full["param_groups"]})
-
     def save(self) -> None:
-        self._saved = copy.deepcopy(self._full())
+        self._saved = copy.deepcopy(full_optimizer_state_dict(None, self.value))
 
     def restore(self) -> None:
-        _recut(_units_of_params(_sharded_params(self.value)))
+        _recut(_units_of_params(_sharded_of(self.value)))
         if self._saved is not None:
-            self._load(self._saved)
+            load_full_optimizer_state_dict(self.value, self._saved)
         else:
             self.value.state.clear()
 
@@ -135,7 +105,7 @@ class FullyShardedOptimizerStateHandler(StateHandler):
                                             name="hvdlite.elastic.fsdp_optimizer")
         if saved is not None:
             self._saved = saved
-            self._load(saved)
+            load_full_optimizer_state_dict(self.value, saved)
 
 
 def register() -> None:

@@ -78,26 +78,55 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def full_optimizer_state_dict(model: nn.Module,
+def _sharded_of(optimizer: torch.optim.Optimizer) -> list[ShardedParam | None]:
+    return [getattr(p, "_hvd_fsdp", None) for p in _optimizer_params(optimizer)]
+
+
+def _is_sharded_state(sp: ShardedParam | None, v: Any) -> bool:
+    """An optimizer state tensor shaped like its parameter's shard (exp_avg, momentum_buffer),
+    as opposed to a scalar such as Adam's step."""
+    return sp is not None and torch.is_tensor(v) and v.dim() > 0 and \
+        tuple(v.shape) == tuple(sp.sharded.shape)
+
+
+def full_optimizer_state_dict(model: nn.Module | None,
                               optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's state dict as a plain optimizer over the unsharded model would hold it
-    (same parameter order), on every rank; a collective over every shard group."""
+    (same parameter order), on every rank; a collective over every shard group (one grouped
+    allgather per block, in the order of the optimizer's parameters). `model` may be None: the
+    shards know their blocks."""
     osd = optimizer.state_dict()
-    params = _optimizer_params(optimizer)
+    sps = _sharded_of(optimizer)
     state = {k: dict(v) for k, v in osd["state"].items()}
-    for u in _units(model):
+    units: list = []
+    for sp in sps:
+        if sp is not None and sp.unit not in units:
+            units.append(sp.unit)
+    for u in units:
         pairs, where = [], []
-        for i, p in enumerate(params):
-            sp = getattr(p, "_hvd_fsdp", None)
-            if sp is None or sp not in u.params or i not in state:
+        for i, sp in enumerate(sps):
+            if sp is None or sp.unit is not u or i not in state:
                 continue
             for key, v in sorted(state[i].items()):
-                if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) == tuple(sp.sharded.shape):
+                if _is_sharded_state(sp, v):
                     pairs.append((sp, v))
                     where.append((i, key))
         for (i, key), w in zip(where, _gather_rows(pairs, f"fsdp.{u.uid}.optim")):
             state[i][key] = w
     return {"state": state, "param_groups": osd["param_groups"]}
+
+
+def load_full_optimizer_state_dict(optimizer: torch.optim.Optimizer, full: dict[str, Any]) -> None:
+    """Load a whole optimizer state dict (`full_optimizer_state_dict`'s, or a plain optimizer's
+    over the unsharded model): each rank keeps its rows; no communication."""
+    sps = _sharded_of(optimizer)
+    state = {}
+    for i, entry in full["state"].items():
+        sp = sps[int(i)]
+        state[i] = {k: (sp.my_rows(v).clone() if sp is not None and torch.is_tensor(v)
+                        and v.dim() > 0 and tuple(v.shape) == sp.orig_shape else v)
+                    for k, v in entry.items()}
+    optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})
 
 
 def sharded_state_dict(model: nn.Module,
@@ -124,10 +153,8 @@ def sharded_state_dict(model: nn.Module,
         if i not in osd["state"]:
             continue
         sp = getattr(p, "_hvd_fsdp", None)
-        state[fqn_of[id(p)]] = {
-            key: (sp.local_shard(v) if sp is not None and torch.is_tensor(v) and v.dim() > 0
-                  and tuple(v.shape) == tuple(sp.sharded.shape) else v)
-            for key, v in osd["state"][i].items()}
+        state[fqn_of[id(p)]] = {key: (sp.local_shard(v) if _is_sharded_state(sp, v) else v)
+                                for key, v in osd["state"][i].items()}
     groups = []
     for g in osd["param_groups"]:
         groups.append({**g, "params": [fqn_of[id(params[i])] for i in g["params"]]})

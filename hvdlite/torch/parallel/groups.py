@@ -8,9 +8,10 @@ splits the data-parallel axis in two, shard fastest:
 
     dp_rank = dp_shard_rank + dp_shard * dp_replicate_rank
 
-so a shard group is the nearer ranks (a host) and its replicas are the same place in the others. `mesh()` registers every group of
-every rank, in one deterministic order, on every rank (adding a process set is a collective over
-the whole job), reusing sets that already exist with the same ranks.
+so a shard group is the nearer ranks (a host) and its replicas are the same place in the others.
+`mesh()` registers every group of every rank, in one deterministic order, on every rank (adding a
+process set is a collective over the whole job), reusing sets that already exist with the same
+ranks.
 """
 from __future__ import annotations
 
