@@ -152,8 +152,10 @@ class ShardedParam:
     def add_grad(self, reduced: torch.Tensor) -> None:
         """Accumulate this rank's reduced rows into the sharded gradient (master dtype, storage
         device), as autograd accumulates a plain parameter's."""
+        # Blocking into host memory: a non-blocking copy to the CPU may land after the
+        # optimizer (on the CPU, outside any stream) has read the gradient.
         g = reduced[:self.valid].to(device=self.storage_device, dtype=self.sharded.dtype,
-                                    non_blocking=True)
+                                    non_blocking=self.storage_device.type != "cpu")
         if self.sharded.grad is None:
             self.sharded.grad = g.clone() if g.data_ptr() == reduced.data_ptr() else g
         else:
