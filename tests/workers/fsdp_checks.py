@@ -170,7 +170,33 @@ def adam_fully_sharded():
         fail(f"rank {R} holds {held} of {total} parameter elements with {N} ranks")
     if not all(isinstance(m, hvd.FSDPModule) for m in [model, *model.blocks]):
         fail("fully_shard did not make the modules FSDPModules")
+    # From the second step on, each block's forward starts with the next block's allgather
+    # already under way (prefetch) or done.
+    seen = []
+
+    def probe(i):
+        def hook(_m, _args):
+            if i + 1 < len(model.blocks):
+                nxt = model.blocks[i + 1]._hvd_fsdp_unit
+                seen.append(nxt._gather is not None or nxt.gathered)
+        return hook
+    # When backward reaches the first block, the second block's reduce-scatter is in flight:
+    # it overlaps the rest of backward.
+    overlapped = []
+
+    def watch_backward(_m, _args, out):
+        out.register_hook(lambda g: overlapped.append(
+            model.blocks[1]._hvd_fsdp_unit._reduce is not None))
+    hooks = [b.register_forward_pre_hook(probe(i)) for i, b in enumerate(model.blocks)]
+    hooks.append(model.blocks[0].register_forward_hook(watch_backward))
     train(model, opt)
+    for h in hooks:
+        h.remove()
+    per_step = len(model.blocks) - 1
+    if seen[:per_step] != [False] * per_step or not all(seen[per_step:]):
+        fail(f"forward prefetch: next block in flight per block and step {seen}")
+    if not overlapped or not all(overlapped):
+        fail(f"backward: block 1's reduce-scatter not in flight during block 0's {overlapped}")
     if any(p.grad is not None and p.grad.shape != p.shape for p in model.parameters()):
         fail("a sharded gradient is not shaped like its shard")
     ref, ref_opt = reference()
