@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hvdlite.torch as hvd  # noqa: E402
-from bench_util import free_port  # noqa: E402
+from bench_util import free_port, sgd_step  # noqa: E402
 from models import MODELS  # noqa: E402
 
 FSDP2 = "torch fully_shard (FSDP2, gloo)"
@@ -80,7 +80,7 @@ def build(base, size):
             torch_fully_shard(b, mesh=mesh)
         torch_fully_shard(m, mesh=mesh)
         contenders[FSDP2] = (m, torch.optim.Adam(m.parameters(), lr=1e-4))
-    except Exception as exc:  # reported: the targets then compare against DDP only
+    except Exception as exc:  # noqa: BLE001 (reported; the targets then compare against DDP)
         print(f"torch fully_shard cannot run here: {type(exc).__name__}: {exc}", flush=True)
     m = DDP(copy.deepcopy(base))
     contenders[DDP_NAME] = (m, torch.optim.Adam(m.parameters(), lr=1e-4))
@@ -99,14 +99,7 @@ def main():
     base, x, y = MODELS[args.model]()
     contenders = build(base, size)
 
-    def make_step(m, opt):
-        def step():
-            opt.zero_grad()
-            F.cross_entropy(m(x), y).backward()
-            opt.step()
-        return step
-
-    steps = {k: make_step(*v) for k, v in contenders.items()}
+    steps = {k: sgd_step(m, opt, x, y) for k, (m, opt) in contenders.items()}
     memory, losses = {}, {}
     for k, step in steps.items():
         for _ in range(2):
