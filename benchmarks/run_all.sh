@@ -39,6 +39,10 @@ for np in 1 2 4; do
   echo "== ZeRO sharding (memory, step time), $np rank(s), gloo"
   .venv/bin/hvdlite-run -np "$np" "$PY" benchmarks/zero.py --json "$OUT/zero_np$np.json"
 done
+for np in 2 4; do
+  echo "== fully_shard against torch's fully_shard and DDP (memory, step time), $np ranks, gloo"
+  .venv/bin/hvdlite-run -np "$np" "$PY" benchmarks/fsdp.py --json "$OUT/fsdp_np$np.json"
+done
 echo "== gradient compression (bytes, step time, final loss), 2 ranks, gloo"
 .venv/bin/hvdlite-run -np 2 "$PY" benchmarks/compression.py --json "$OUT/compression_np2.json"
 echo "== Keras model.fit / DistributedGradientTape / torch frontend / one plain process"

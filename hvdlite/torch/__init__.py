@@ -16,3 +16,8 @@ from .sync_batch_norm import SyncBatchNorm
 from . import parallel
 from . import elastic
 
+from . import fsdp  # noqa: F401
+from .fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,  # noqa: F401
+                   OffloadPolicy, full_optimizer_state_dict, full_state_dict, fully_shard,
+                   load_full_optimizer_state_dict, load_full_state_dict, load_sharded_state_dict,
+                   sharded_state_dict)

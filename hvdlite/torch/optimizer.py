@@ -623,6 +623,8 @@ def DistributedOptimizer(optimizer, named_parameters=None,
             `Compression.powersgd(rank=r)` (low rank with error feedback), class or instance.
     """
     from . import zero as _zero
+    from .fsdp.api import refuse_distributed_optimizer
+    refuse_distributed_optimizer(optimizer)     # fully_shard's gradients are reduced already
     zero_stage = _zero.check_zero_stage(zero_stage)
     if isinstance(compression, type) and is_stateful(compression):
         compression = compression()   # per-tensor state belongs to this optimizer

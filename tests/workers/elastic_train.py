@@ -21,6 +21,8 @@ Environment (all optional):
   ELASTIC_EXIT_IN_INIT  this worker ("host:slot") dies inside its first hvd.init(), once
   ELASTIC_ZERO_STAGE    DistributedOptimizer(zero_stage=...) (0); with 1 or 2 the RESULT also
                         holds the consolidated momentum buffers ("momentum")
+  ELASTIC_FSDP          1: the model is hvd.fully_shard(...) and the optimizer a plain SGD over
+                        its shards; the RESULT holds the gathered weights and momentum buffers
   ELASTIC_ONE_CORE      1: each worker runs on one core, so (one rank per host, over TCP) the
                         optimizer keeps its gradients in one flat buffer (torch/flat_grads.py);
                         the RESULT's "flat" says whether it did at the end
@@ -45,6 +47,7 @@ SIGSTOP_AT = int(os.environ["ELASTIC_SIGSTOP_AT"]) if os.environ.get("ELASTIC_SI
     else None
 EXIT_IN_INIT = os.environ.get("ELASTIC_EXIT_IN_INIT")
 ZERO_STAGE = int(os.environ.get("ELASTIC_ZERO_STAGE", "0"))
+FSDP = os.environ.get("ELASTIC_FSDP") == "1"
 LR, MOMENTUM = 0.25, 0.5
 DATASET, BATCH = 40, 2
 
@@ -124,9 +127,14 @@ def main() -> int:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})   # before init: whole passes
     hvd.init()
     model = make_model()
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM),
-                                   named_parameters=model.named_parameters(),
-                                   zero_stage=ZERO_STAGE)
+    if FSDP:
+        hvd.fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    else:
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR,
+                                                       momentum=MOMENTUM),
+                                       named_parameters=model.named_parameters(),
+                                       zero_stage=ZERO_STAGE)
     sampler = hvd.elastic.ElasticSampler(range(DATASET), shuffle=True, seed=7)
     state = hvd.elastic.TorchState(model, opt, sampler=sampler, step=0, trace=[], epochs=[[]])
     sizes: list[int] = []
@@ -187,6 +195,11 @@ def main() -> int:
     train(state)
     _mark("done", f"{state.step} {hvd.size()} {hvd.rank()}")
     extra = {}
+    params = model.state_dict()
+    if FSDP:
+        # Gathered (collectives); every rank holds only its rows.
+        params = hvd.full_state_dict(model)
+        extra = {"momentum": momentum_of(hvd.full_optimizer_state_dict(model, opt))}
     if ZERO_STAGE:
         # Consolidated (a collective); every rank owns only its shard.
         extra = {"momentum": momentum_of(opt.state_dict()),
@@ -195,7 +208,7 @@ def main() -> int:
         print("RESULT " + json.dumps({
             "step": state.step, "trace": state.trace, "size": hvd.size(),
             "epochs": state.epochs,
-            "params": {k: v.tolist() for k, v in model.state_dict().items()},
+            "params": {k: v.tolist() for k, v in params.items()},
             "reset_sizes": sizes,
             "flat": bool(getattr(opt, "_flat", None) and opt._flat.active), **extra}), flush=True)
     return 0

@@ -3,9 +3,15 @@
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)        (tensor parallel varies fastest)
 
 so a tensor-parallel group is `tp` consecutive ranks (keep it inside one host), a data-parallel
-group strides by `tp`, and a pipeline group strides by `tp * dp`. `mesh()` registers every group of
-every rank, in one deterministic order, on every rank (adding a process set is a collective over
-the whole job), reusing sets that already exist with the same ranks.
+group strides by `tp`, and a pipeline group strides by `tp * dp`. Hybrid sharding (`fully_shard`)
+splits the data-parallel axis in two, shard fastest:
+
+    dp_rank = dp_shard_rank + dp_shard * dp_replicate_rank
+
+so a shard group is the nearer ranks (a host) and its replicas are the same place in the others.
+`mesh()` registers every group of every rank, in one deterministic order, on every rank (adding a
+process set is a collective over the whole job), reusing sets that already exist with the same
+ranks.
 """
 from __future__ import annotations
 
@@ -71,12 +77,42 @@ def _check_sizes(size: int, tp, pp, dp) -> tuple[int, int, int]:
     return tp, pp, dp
 
 
-def mesh_groups(size: int, tp: int = 1, pp: int = 1, dp: Optional[int] = None) -> dict:
+def _split_dp(size: int, tp: int, pp: int, dp: int | None, dp_shard: int | None,
+              dp_replicate: int | None) -> tuple[int, int, int, int, int]:
+    """(tp, pp, dp, dp_shard, dp_replicate); without dp_shard/dp_replicate the whole dp axis
+    shards (dp_replicate = 1)."""
+    for label, v in (("dp_shard", dp_shard), ("dp_replicate", dp_replicate)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"mesh({label}={v!r}): {label} must be a positive integer or None")
+    if dp_shard is not None and dp_replicate is not None:
+        if dp is not None and dp != dp_shard * dp_replicate:
+            raise ValueError(f"mesh(dp={dp}, dp_shard={dp_shard}, dp_replicate={dp_replicate}):"
+                             f" dp must be dp_shard * dp_replicate = {dp_shard * dp_replicate}")
+        dp = dp_shard * dp_replicate
+    tp, pp, dp = _check_sizes(size, tp, pp, dp)
+    if dp_shard is None and dp_replicate is None:
+        return tp, pp, dp, dp, 1
+    if dp_shard is None:
+        dp_shard = dp // dp_replicate
+    if dp_replicate is None:
+        dp_replicate = dp // dp_shard
+    if dp_shard * dp_replicate != dp:
+        raise ValueError(
+            f"mesh(tp={tp}, pp={pp}, dp_shard={dp_shard}, dp_replicate={dp_replicate}) does not "
+            f"fit {size} ranks: the data-parallel size is {dp} and dp_shard * dp_replicate = "
+            f"{dp_shard * dp_replicate}; pick factors of {dp}")
+    return tp, pp, dp, dp_shard, dp_replicate
+
+
+def mesh_groups(size: int, tp: int = 1, pp: int = 1, dp: int | None = None, *,
+                dp_shard: int | None = None, dp_replicate: int | None = None) -> dict:
     """Every group of a mesh as lists of global ranks, without registering anything:
-    {'tp': [...], 'pp': [...], 'dp': [...], 'all': tp + pp + dp groups}. Useful for
+    {'tp': [...], 'pp': [...], 'dp': [...], 'dp_shard': [...], 'dp_replicate': [...],
+    'all': every group once}. 'dp_shard' is 'dp' and 'dp_replicate' is empty unless
+    dp_replicate > 1. Useful for
     `hvd.init(process_sets=[hvd.ProcessSet(r) for r in mesh_groups(n, tp=2)['all']])` in jobs
     that cannot use dynamic process sets."""
-    tp, pp, dp = _check_sizes(size, tp, pp, dp)
+    tp, pp, dp, ds, dr = _split_dp(size, tp, pp, dp, dp_shard, dp_replicate)
 
     def rank(t, d, p):
         return t + tp * (d + dp * p)
@@ -84,11 +120,19 @@ def mesh_groups(size: int, tp: int = 1, pp: int = 1, dp: Optional[int] = None) -
     tp_groups = [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)]
     dp_groups = [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)]
     pp_groups = [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
+    if dr > 1:
+        shard_groups = [[rank(t, s + ds * r, p) for s in range(ds)]
+                        for p in range(pp) for r in range(dr) for t in range(tp)]
+        replicate_groups = [[rank(t, s + ds * r, p) for r in range(dr)]
+                            for p in range(pp) for s in range(ds) for t in range(tp)]
+    else:
+        shard_groups, replicate_groups = dp_groups, []
     unique: list[list[int]] = []
-    for g in tp_groups + pp_groups + dp_groups:
+    for g in tp_groups + pp_groups + dp_groups + shard_groups + replicate_groups:
         if g not in unique:
             unique.append(g)
-    return {"tp": tp_groups, "pp": pp_groups, "dp": dp_groups, "all": unique}
+    return {"tp": tp_groups, "pp": pp_groups, "dp": dp_groups, "dp_shard": shard_groups,
+            "dp_replicate": replicate_groups, "all": unique}
 
 
 class Mesh:
@@ -96,16 +140,27 @@ class Mesh:
 
     Attributes: `tp`, `pp`, `dp` (ProcessSet), `tp_size`, `pp_size`, `dp_size`, `tp_rank`,
     `pp_rank`, `dp_rank`, `rank`, `size`, and `groups` (every group of every axis, as rank
-    lists). `print(mesh)` shows the rank map."""
+    lists). Hybrid sharding splits dp: `dp_shard` (ProcessSet; `dp` unless dp_replicate > 1),
+    `dp_replicate` (ProcessSet, None unless dp_replicate > 1), `dp_shard_size`,
+    `dp_replicate_size`, `dp_shard_rank`, `dp_replicate_rank`. `print(mesh)` shows the rank
+    map."""
 
-    def __init__(self, size: int, rank: int, tp: int, pp: int, dp: int, sets: dict):
+    def __init__(self, size: int, rank: int, tp: int, pp: int, dp: int, sets: dict,
+                 dp_shard: int | None = None, dp_replicate: int = 1):
         self.size, self.rank = size, rank
         self.tp_size, self.pp_size, self.dp_size = tp, pp, dp
+        self.dp_shard_size = dp if dp_shard is None else dp_shard
+        self.dp_replicate_size = dp_replicate
         self.tp_rank, self.dp_rank, self.pp_rank = self.coords(rank)
-        self.groups = mesh_groups(size, tp, pp, dp)
+        self.dp_shard_rank = self.dp_rank % self.dp_shard_size
+        self.dp_replicate_rank = self.dp_rank // self.dp_shard_size
+        self.groups = mesh_groups(size, tp, pp, dp, dp_shard=self.dp_shard_size,
+                                  dp_replicate=dp_replicate)
         self.tp: ProcessSet = sets["tp"]
         self.pp: ProcessSet = sets["pp"]
         self.dp: ProcessSet = sets["dp"]
+        self.dp_shard: ProcessSet = sets.get("dp_shard") or sets["dp"]
+        self.dp_replicate: ProcessSet | None = sets.get("dp_replicate")
 
     # coordinates
     def coords(self, rank: int) -> tuple[int, int, int]:
@@ -134,8 +189,11 @@ class Mesh:
         return self.pp_rank == self.pp_size - 1
 
     def __repr__(self) -> str:
-        return (f"Mesh(tp={self.tp_size}, pp={self.pp_size}, dp={self.dp_size}, rank={self.rank}:"
-                f" tp_rank={self.tp_rank}, pp_rank={self.pp_rank}, dp_rank={self.dp_rank})")
+        hybrid = (f", dp_shard={self.dp_shard_size}, dp_replicate={self.dp_replicate_size}"
+                  if self.dp_replicate_size > 1 else "")
+        return (f"Mesh(tp={self.tp_size}, pp={self.pp_size}, dp={self.dp_size}{hybrid}, "
+                f"rank={self.rank}: tp_rank={self.tp_rank}, pp_rank={self.pp_rank}, "
+                f"dp_rank={self.dp_rank})")
 
     def __str__(self) -> str:
         t, p, d = self.tp_size, self.pp_size, self.dp_size
@@ -158,14 +216,17 @@ class Mesh:
                     cells.append(f"{str(r) + ('*' if r == self.rank else ''):<{w}}")
                 groups.append(" ".join(cells))
             lines.append((f"{'pp' + str(s):<5}" + " | ".join(groups)).rstrip())
-        for axis in ("tp", "pp", "dp"):
+        axes = ("tp", "pp", "dp") + (("dp_shard", "dp_replicate")
+                                     if self.dp_replicate_size > 1 else ())
+        for axis in axes:
             lines.append(f"{axis} groups: " + " ".join(str(g) for g in self.groups[axis]))
         lines.append(f"this rank (*): {self.rank} -> tp_rank {self.tp_rank}, pp_rank "
                      f"{self.pp_rank}, dp_rank {self.dp_rank}")
         return "\n".join(lines)
 
 
-def mesh(tp: int = 1, pp: int = 1, dp: Optional[int] = None) -> Mesh:
+def mesh(tp: int = 1, pp: int = 1, dp: int | None = None, *, dp_shard: int | None = None,
+         dp_replicate: int | None = None) -> Mesh:
     """Split the job into tensor x pipeline x data parallel groups (Megatron's rank layout).
 
     A collective when it has to create process sets: call it on every rank, in the same order
@@ -175,15 +236,21 @@ def mesh(tp: int = 1, pp: int = 1, dp: Optional[int] = None) -> Mesh:
 
         mesh = hvd.parallel.mesh(tp=2, pp=2)          # on 4 (or 8, 12, ...) ranks
         opt = hvd.DistributedOptimizer(opt, named_parameters=..., process_set=mesh.dp)
+
+    dp_shard / dp_replicate split the data-parallel axis for hybrid sharding (`fully_shard`
+    shards over `mesh.dp_shard` and averages the shards over `mesh.dp_replicate`); give one
+    and the other is derived.
     """
     global _current_mesh
     size, me = _basics.size(), _basics.rank()
-    tp, pp, dp = _check_sizes(size, tp, pp, dp)
-    groups = mesh_groups(size, tp, pp, dp)
-    ensure_process_sets(groups["all"], f"mesh(tp={tp}, pp={pp}, dp={dp})")
-    mine = {axis: find_process_set(next(g for g in groups[axis] if me in g))
-            for axis in ("tp", "pp", "dp")}
-    m = Mesh(size, me, tp, pp, dp, mine)
+    tp, pp, dp, ds, dr = _split_dp(size, tp, pp, dp, dp_shard, dp_replicate)
+    groups = mesh_groups(size, tp, pp, dp, dp_shard=ds, dp_replicate=dr)
+    what = f"mesh(tp={tp}, pp={pp}, dp={dp}" + (f", dp_shard={ds}, dp_replicate={dr})"
+                                                if dr > 1 else ")")
+    ensure_process_sets(groups["all"], what)
+    axes = ("tp", "pp", "dp") + (("dp_shard", "dp_replicate") if dr > 1 else ())
+    mine = {axis: find_process_set(next(g for g in groups[axis] if me in g)) for axis in axes}
+    m = Mesh(size, me, tp, pp, dp, mine, dp_shard=ds, dp_replicate=dr)
     _current_mesh = m
     return m
 
@@ -193,7 +260,8 @@ def current_mesh() -> Optional[Mesh]:
     hvd.shutdown())."""
     m = _current_mesh
     if m is not None and (not _basics.is_initialized()
-                          or any(ps.process_set_id is None for ps in (m.tp, m.pp, m.dp))):
+                          or any(ps is not None and ps.process_set_id is None
+                                 for ps in (m.tp, m.pp, m.dp, m.dp_shard, m.dp_replicate))):
         return None
     return m
 
