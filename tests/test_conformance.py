@@ -12,8 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "conformance"))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 
-from configs import CONFIGS, have_mpi, lane_problems, replay_command, run_job  # noqa: E402
-from program import ALL_KINDS, DTYPES, REDUCE_OPS, generate, kinds  # noqa: E402
+from configs import CONFIGS, have_mpi, lane_problems, replay_command, run_job
+from program import ALL_KINDS, DTYPES, REDUCE_OPS, generate, kinds
 
 # (ranks, seeds) per job; several seeds a job, as start-up costs more than a program. Every seed
 # is its own program: the jobs together cover every kind of op (test_ci_seeds_cover_everything).

@@ -16,6 +16,7 @@ Where each switch comes from (hvdlite/common/config.py VARIABLES, hvdlite-run's 
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 import tempfile
@@ -25,7 +26,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(TESTS))
 
-from util import hvdlite_run, rank_lines  # noqa: E402
+from util import hvdlite_run, rank_lines
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,8 @@ def run_job(config: Config, np: int, seeds: list[int], timeout: float = 300,
             stdout = proc.stdout
         except AssertionError as exc:      # the launcher itself ran past `timeout`
             out, code, stdout = str(exc), -1, str(exc)
+        timeline = env.get("HOROVOD_TIMELINE")
+        recorded = os.path.getsize(timeline) if timeline and os.path.exists(timeline) else 0
     lines = {r: rank_lines(stdout, r) for r in range(np)}
     ok, failed = [], {}
     for s in seeds:
@@ -122,6 +125,8 @@ def run_job(config: Config, np: int, seeds: list[int], timeout: float = 300,
         for k, v in counters_of(ls).items():
             lanes[k] = lanes.get(k, 0) + v
     problems = lane_problems(config, lanes, want_on=False)
+    if timeline and not recorded:
+        problems.append(f"HOROVOD_TIMELINE={timeline}: rank 0 wrote no timeline")
     return JobResult(config.name, np, seeds, ok, failed, lanes, out, code, problems)
 
 
@@ -141,7 +146,7 @@ def lane_problems(config: Config, lanes: dict, want_on: bool) -> list[str]:
 def _failure_lines(lines: list[str], seed: int) -> list[str]:
     keep, inside = [], False
     for x in lines:
-        if x.startswith(f"CHECK seed{seed} FAIL") or x.startswith("HANG") \
+        if x.startswith((f"CHECK seed{seed} FAIL", "HANG")) \
                 or (x.startswith("REPLAY") and f"--seeds {seed} " in x + " "):
             keep.append(x)
             inside = x.startswith("CHECK")
@@ -157,5 +162,12 @@ def replay_command(config: str, np: int, seeds) -> str:
             f"--seeds {','.join(map(str, seeds))}")
 
 
-__all__ = ["CONFIGS", "Config", "JobResult", "have_mpi", "lane_problems", "run_job",
-           "replay_command"]
+__all__ = [
+    "CONFIGS",
+    "Config",
+    "JobResult",
+    "have_mpi",
+    "lane_problems",
+    "replay_command",
+    "run_job",
+]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from configs import CONFIGS, have_mpi, lane_problems, replay_command, run_job  # noqa: E402
+from configs import CONFIGS, have_mpi, lane_problems, replay_command, run_job
 
 
 def parse_seeds(text: str) -> list[int]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
 from adasum_ref import adasum as adasum_ref
 from ops_common import gen, my_rows, reduce_ref, salt_id
 

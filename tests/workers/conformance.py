@@ -21,14 +21,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "conformance"))
 
-import torch  # noqa: E402
+import torch
+from ops_common import FAILURES, check, close, fail, finish, log, no_threads_left, same
+from program import delays, generate, pause_s, static_sets
+from reference import ADASUM_TOL, OPS, expected, object_input, tensor_input
 
-import hvdlite.torch as hvd  # noqa: E402
-from ops_common import (FAILURES, check, close, fail, finish, log, no_threads_left,  # noqa: E402
-                        same)
-from program import delays, generate, pause_s, static_sets  # noqa: E402
-from reference import (ADASUM_TOL, OPS, dtype_of, expected, object_input,  # noqa: E402
-                       tensor_input)
+import hvdlite.torch as hvd
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--seeds", required=True, help="comma-separated seeds")
@@ -86,7 +84,7 @@ def doing(seed: int, where: str, kind: str) -> None:
 class Call:
     """One collective of a program on this rank: its inputs, the call, its result."""
 
-    def __init__(self, prog: "Program", op: dict, where: str, salt: tuple,
+    def __init__(self, prog: Program, op: dict, where: str, salt: tuple,
                  joined: frozenset = frozenset()):
         self.prog, self.op, self.where, self.salt, self.joined = prog, op, where, salt, joined
         self.members = prog.ranks[op["set"]]
@@ -108,8 +106,8 @@ class Call:
     def start(self) -> None:
         op, ps, name, call = self.op, self.ps, self.op["name"], self.op["call"]
         kind, xs = op["kind"], self.inputs
-        red = dict(op=OPS[op["op"]], prescale_factor=op["pre"],
-                   postscale_factor=op["post"]) if "op" in op else {}
+        red = {"op": OPS[op["op"]], "prescale_factor": op["pre"],
+               "postscale_factor": op["post"]} if "op" in op else {}
         asynchronous = call.startswith("async")
         inplace = call.endswith("inplace")
         if kind == "allreduce":
