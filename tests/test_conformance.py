@@ -19,7 +19,8 @@ from program import ALL_KINDS, DTYPES, REDUCE_OPS, generate, kinds
 # is its own program: the jobs together cover every kind of op (test_ci_seeds_cover_everything).
 CI_JOBS = {
     "default": [(2, [1, 2, 3]), (3, [4, 5]), (4, [6, 7])],
-    "tcp": [(2, [8, 9]), (3, [10])],
+    "tcp": [(3, [8, 9, 10])],
+    "shm-chunks": [(3, [28, 29])],
     "no-steady": [(2, [11, 12])],
     "no-cache": [(2, [13, 14])],
     "small-cache": [(3, [15, 16])],

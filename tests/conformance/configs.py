@@ -5,7 +5,8 @@ tests/conformance/long.py).
 Where each switch comes from (hvdlite/common/config.py VARIABLES, hvdlite-run's flags):
 - the steady state: HVDLITE_STEADY_STATE (on by default); it needs the response cache,
   HOROVOD_CACHE_CAPACITY (0 turns both off; a small one makes them thrash);
-- shared memory: HVDLITE_SHM=0|1 (auto: on, on x86-64); gloo over TCP is HVDLITE_SHM=0;
+- shared memory: HVDLITE_SHM=0|1 (auto: on, on x86-64); gloo over TCP is HVDLITE_SHM=0; small
+  HVDLITE_SHM_SLOT_MB / HVDLITE_SHM_CHUNK_MB make the larger tensors run in many chunks;
 - MPI: `hvdlite-run --mpi`; its steady rounds HVDLITE_STEADY_ROUNDS=auto|peers; shared memory
   under MPI where the ranks' waits yield (HVDLITE_MPI_WAIT=yield) or from a size on
   (HVDLITE_MPI_SHM_MIN_MB);
@@ -45,6 +46,8 @@ CONFIGS = {c.name: c for c in [
     Config("default", lanes={"steady_entered": True, "express": True, "shm_collectives": True}),
     Config("tcp", {"HVDLITE_SHM": "0"}, lanes={"shm_collectives": False,
                                                "steady_entered": True}),
+    Config("shm-chunks", {"HVDLITE_SHM": "1", "HVDLITE_SHM_SLOT_MB": "0.05",
+                          "HVDLITE_SHM_CHUNK_MB": "0.01"}, lanes={"shm_collectives": True}),
     Config("no-steady", {"HVDLITE_STEADY_STATE": "0"},
            lanes={"steady_entered": False, "express": False}),
     Config("no-cache", {"HOROVOD_CACHE_CAPACITY": "0"},
