@@ -46,13 +46,14 @@ def test_program_is_a_pure_function_of_the_seed():
 
 def test_ci_seeds_cover_everything():
     """The CI seeds between them use every op kind, call mode, reduce op (Adasum too), dtype,
-    static and dynamic process sets, scale factors, and a steady block's changed shape."""
+    static and dynamic process sets, scale factors, steady blocks (a training step's small
+    float32 allreduces among them, which the rounds carry)."""
     seen: set = set()
     for jobs in CI_JOBS.values():
         for np, seeds in jobs:
             for s in seeds:
                 seen |= kinds(generate(s, np))
-    want = set(ALL_KINDS) | {"flight", "steady", "scaled", "set:static", "set:dyn"} \
+    want = set(ALL_KINDS) | {"flight", "steady", "training", "scaled", "set:static", "set:dyn"} \
         | {f"call:{c}" for c in ("sync", "async", "inplace", "async_inplace")} \
         | {f"op:{o}" for o in REDUCE_OPS + ["Adasum"]} | {f"dtype:{d}" for d in DTYPES}
     assert want <= seen, f"the CI seeds never use {sorted(want - seen)}"

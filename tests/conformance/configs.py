@@ -43,9 +43,10 @@ class Config:
 
 
 CONFIGS = {c.name: c for c in [
-    Config("default", lanes={"steady_entered": True, "express": True, "shm_collectives": True}),
-    Config("tcp", {"HVDLITE_SHM": "0"}, lanes={"shm_collectives": False,
-                                               "steady_entered": True}),
+    Config("default", lanes={"steady_entered": True, "express": True, "shm_collectives": True,
+                             "round_payloads": True}),
+    Config("tcp", {"HVDLITE_SHM": "0"}, lanes={"shm_collectives": False, "steady_entered": True,
+                                               "round_payloads": True}),
     Config("shm-chunks", {"HVDLITE_SHM": "1", "HVDLITE_SHM_SLOT_MB": "0.05",
                           "HVDLITE_SHM_CHUNK_MB": "0.01"}, lanes={"shm_collectives": True}),
     Config("no-steady", {"HVDLITE_STEADY_STATE": "0"},
@@ -57,7 +58,8 @@ CONFIGS = {c.name: c for c in [
                         "HOROVOD_TIMELINE_MARK_CYCLES": "1"},
            lanes={"express": False, "steady_entered": False}),
     Config("no-fusion", {"HOROVOD_FUSION_THRESHOLD": "0", "HVDLITE_BUCKET_CAP_MB": "0"}),
-    Config("mpi", {}, ("--mpi",), mpi=True, lanes={"steady_entered": True}),
+    Config("mpi", {}, ("--mpi",), mpi=True, lanes={"steady_entered": True,
+                                                   "round_payloads": True}),
     Config("mpi-peers-tcp", {"HVDLITE_STEADY_ROUNDS": "peers", "HVDLITE_SHM": "0"}, ("--mpi",),
            mpi=True, lanes={"steady_entered": True, "shm_collectives": False}),
     Config("mpi-shm", {"HVDLITE_MPI_WAIT": "yield", "HVDLITE_SHM": "1"}, ("--mpi",), mpi=True,

@@ -177,14 +177,25 @@ class _Gen:
         rng = self.rng
         set_key = self.pick_set()
         blocking = rng.random() < 0.5          # blocking calls of cached tensors: express lane
+        # A training step's shape: small float32 allreduces only (gradients, metrics), which
+        # the steady state's rounds carry in their own messages instead of a transport call.
+        training = rng.random() < 0.4
         template = []
         for _ in range(rng.randint(1, 5)):
             kind = rng.choices(["allreduce", "grouped_allreduce", "allgather", "broadcast",
                                 "reducescatter"], weights=[8, 2, 1, 1, 1])[0]
             call = rng.choice(["sync", "inplace"]) if blocking else \
                 rng.choice(["async", "async_inplace"])
+            if training:
+                kind = rng.choice(["allreduce", "allreduce", "grouped_allreduce"])
             op = self.collective(kind, set_key, call, named=True)
-            if op.get("op") == "Adasum" and rng.random() < 0.7:
+            if training:
+                op["op"] = rng.choice(["Sum", "Average", "Average"])
+                op["dtypes"] = ["float32"] * len(op["dtypes"])
+                op["shapes"] = [self.shape(big=0.0) for _ in op["dtypes"]]
+                if rng.random() < 0.7:
+                    op["pre"], op["post"] = 1.0, 1.0
+            elif op.get("op") == "Adasum" and rng.random() < 0.7:
                 op["op"], op["dtypes"] = "Sum", ["float32"] * len(op["dtypes"])
             template.append(op)
         reps = rng.randint(3, 7)
@@ -196,7 +207,8 @@ class _Gen:
             changed["rows"] = [[r + 1 for r in rows] for rows in changed["rows"]]
         after = template[:change] + [changed] + template[change + 1:]
         self.emit({"kind": "steady", "set": set_key, "template": template, "reps": reps,
-                   "after": after, "reps_after": rng.randint(2, 4), "blocking": blocking})
+                   "after": after, "reps_after": rng.randint(2, 4), "blocking": blocking,
+                   "training": training})
 
     def add_set(self) -> None:
         taken = {tuple(r) for r in self.sets.values()}
@@ -296,6 +308,8 @@ def kinds(program: list[Op]) -> set[str]:
 
     def visit(op: Op) -> None:
         seen.add(op["kind"])
+        if op.get("training"):
+            seen.add("training")
         if "call" in op:
             seen.add("call:" + op["call"])
         if "op" in op:
