@@ -30,8 +30,9 @@ CI_JOBS = {
     "mpi-peers-tcp": [(2, [24, 25])],
     "mpi-shm": [(3, [26, 27])],
 }
-# Seeds left out of CI because they find a known, unfixed bug (docs/conformance.md lists them).
-KNOWN_BAD: dict = {}
+# (configuration, ranks, seed) left out of CI because it finds a known, unfixed bug
+# (docs/conformance.md lists them, with the bug). Empty: none is known.
+KNOWN_BAD: set = set()
 
 
 def test_program_is_a_pure_function_of_the_seed():
@@ -66,6 +67,7 @@ def test_conformance(config):
         pytest.skip("mpi4py/mpiexec not installed (pip install mpi4py mpich)")
     failures, totals, problems = [], {}, []
     for np, seeds in CI_JOBS[config]:
+        seeds = [s for s in seeds if (config, np, s) not in KNOWN_BAD]
         res = run_job(cfg, np, seeds, timeout=90 + 45 * len(seeds))
         for s, per_rank in res.failed.items():
             detail = "\n".join(f"  [{r}] {line}" for r, lines in per_rank.items()
