@@ -3,6 +3,7 @@ every lane configuration a user can reach, each program's results against the si
 reference. The long mode (scripts/conformance.sh) runs hundreds of seeds the same way."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -30,6 +31,9 @@ CI_JOBS = {
     "mpi-peers-tcp": [(2, [24, 25])],
     "mpi-shm": [(3, [26, 27])],
 }
+# The TensorFlow frontend's subset (tests/workers/conformance_tf.py): one job, as TensorFlow
+# imports slowly.
+TF_JOBS = [("default", 3, [30, 31])]
 # (configuration, ranks, seed) left out of CI because it finds a known, unfixed bug
 # (docs/conformance.md lists them, with the bug). Empty: none is known.
 KNOWN_BAD: set = set()
@@ -80,3 +84,19 @@ def test_conformance(config):
     problems += lane_problems(cfg, totals, want_on=True)
     assert not failures, "\n\n".join(failures)
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
+                    reason="TensorFlow is not installed (scripts/setup.sh installs tensorflow-cpu; "
+                           "or pip install 'hvdlite[tensorflow]')")
+@pytest.mark.parametrize("config,np,seeds", TF_JOBS)
+def test_conformance_tensorflow(config, np, seeds):
+    """The blocking part of the programs through hvdlite.tensorflow, against the same
+    reference."""
+    res = run_job(CONFIGS[config], np, seeds, timeout=240, frontend="tensorflow")
+    failures = [f"seed {s} on {np} ranks under {config} (tensorflow) failed; replay: "
+                f"{replay_command(config, np, [s], 'tensorflow')}\n"
+                + ("\n".join(f"  [{r}] {line}" for r, lines in per_rank.items()
+                             for line in lines[:10]) or res.output[-4000:])
+                for s, per_rank in res.failed.items()]
+    assert not failures, "\n\n".join(failures)

@@ -98,17 +98,30 @@ def counters_of(lines: list[str]) -> dict:
     return {}
 
 
+# The worker of each frontend; TensorFlow's runs the blocking part of each program
+# (tests/workers/conformance_tf.py says which), quiet and single-threaded.
+WORKERS = {"torch": ("conformance.py", {}),
+           "tensorflow": ("conformance_tf.py", {"TF_CPP_MIN_LOG_LEVEL": "2",
+                                                "TF_ENABLE_ONEDNN_OPTS": "0",
+                                                "OMP_NUM_THREADS": "1",
+                                                "HVDLITE_START_TIMEOUT": "120"})}
+
+
 def run_job(config: Config, np: int, seeds: list[int], timeout: float = 300,
-            op_timeout: float = 60.0, extra_args: list[str] | None = None) -> JobResult:
+            op_timeout: float = 60.0, extra_args: list[str] | None = None,
+            frontend: str = "torch") -> JobResult:
     """One job: `seeds` in turn on `np` ranks under `config`; each seed's verdict from its
     CHECK lines (a seed with no verdict on some rank failed: the job died or hung there)."""
+    script, frontend_env = WORKERS[frontend]
     with tempfile.TemporaryDirectory(prefix="hvdlite-conformance-") as tmp:
-        env = {k: v.replace("{tmp}", tmp) for k, v in config.env.items()}
+        env = dict(frontend_env)
+        env.update({k: v.replace("{tmp}", tmp) for k, v in config.env.items()})
         env.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(int(op_timeout)))
         args = ["--seeds", ",".join(map(str, seeds)), "--config", config.name,
-                "--op-timeout", str(op_timeout), *(extra_args or [])]
+                *(["--op-timeout", str(op_timeout)] if frontend == "torch" else []),
+                *(extra_args or [])]
         try:
-            proc = hvdlite_run("conformance.py", np=np, args=args, env=env, timeout=timeout,
+            proc = hvdlite_run(script, np=np, args=args, env=env, timeout=timeout,
                                launcher_args=list(config.launcher_args), check=False)
             out, code = proc.stdout + "\n--- stderr\n" + proc.stderr, proc.returncode
             stdout = proc.stdout
@@ -162,9 +175,10 @@ def _failure_lines(lines: list[str], seed: int) -> list[str]:
     return keep
 
 
-def replay_command(config: str, np: int, seeds) -> str:
+def replay_command(config: str, np: int, seeds, frontend: str = "torch") -> str:
     return (f"scripts/conformance.sh --config {config} --np {np} "
-            f"--seeds {','.join(map(str, seeds))}")
+            f"--seeds {','.join(map(str, seeds))}"
+            + ("" if frontend == "torch" else f" --frontend {frontend}"))
 
 
 __all__ = [

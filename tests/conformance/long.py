@@ -42,7 +42,11 @@ def main(argv=None) -> int:
                         "turn, one per job)")
     p.add_argument("--op-timeout", type=float, default=60.0,
                    help="seconds one call may take before it counts as a hang")
-    p.add_argument("--trace", action="store_true", help="ranks log every call (for a replay)")
+    p.add_argument("--frontend", default="torch", choices=["torch", "tensorflow"],
+                   help="tensorflow: the blocking part of each program through "
+                        "hvdlite.tensorflow (tests/workers/conformance_tf.py)")
+    p.add_argument("--trace", action="store_true", help="ranks log every call (for a replay; "
+                   "torch)")
     p.add_argument("--verbose", action="store_true", help="print every job's whole output")
     a = p.parse_args(argv)
     seeds = parse_seeds(a.seeds)
@@ -69,7 +73,7 @@ def main(argv=None) -> int:
     for k, (name, np, chunk) in enumerate(jobs):
         t = time.monotonic()
         res = run_job(CONFIGS[name], np, chunk, timeout=120 + 60 * len(chunk),
-                      op_timeout=a.op_timeout, extra_args=extra)
+                      op_timeout=a.op_timeout, extra_args=extra, frontend=a.frontend)
         runs += len(chunk)
         took = time.monotonic() - t
         print(f"[{k + 1}/{len(jobs)}] {name} np={np} seeds {chunk[0]}..{chunk[-1]}: "
@@ -79,8 +83,9 @@ def main(argv=None) -> int:
         for s, per_rank in res.failed.items():
             failures.append((name, np, s))
             print(f"  FAILED seed {s} under {name} on {np} ranks; replay:\n"
-                  f"    {replay_command(name, np, [s])}\n"
-                  f"    (the whole job: {replay_command(name, np, chunk)})", flush=True)
+                  f"    {replay_command(name, np, [s], a.frontend)}\n"
+                  f"    (the whole job: {replay_command(name, np, chunk, a.frontend)})",
+                  flush=True)
             for r, lines in per_rank.items():
                 for line in lines[:12]:
                     print(f"    [{r}] {line}", flush=True)
@@ -99,7 +104,7 @@ def main(argv=None) -> int:
     print(f"\nconformance: {runs} seed runs ({len(seeds)} seeds) in {len(jobs)} jobs under "
           f"{', '.join(names)}; {len(failures)} failed; {took:.0f}s", flush=True)
     for name, np, s in failures:
-        print(f"  {replay_command(name, np, [s])}")
+        print(f"  {replay_command(name, np, [s], a.frontend)}")
     for note in lane_notes:
         print(f"  lane wrong: {note}")
     return 1 if failures or lane_notes else 0
