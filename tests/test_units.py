@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from hvdlite.common.backends.base import PollableWork
 from hvdlite.common.collectives import FusionBuffer
 from hvdlite.common.fusion import fuse_responses
 from hvdlite.common.messages import ALLREDUCE, BROADCAST, Response
@@ -102,7 +103,7 @@ def test_fusion_buffers_are_aligned_for_every_dtype():
     buf[:8].view(torch.float64).fill_(1.5)            # any dtype may be viewed on it
 
 
-class _Work:
+class _Work(PollableWork):
     """A transport request completing after `polls` tests (the polling logic alone)."""
 
     def __init__(self, polls: int, error: Exception | None = None):

@@ -439,8 +439,8 @@ def engine_counters() -> dict:
     counters["in_place_members"] = engine.executor.in_place_members
     counters["in_place_sequences"] = engine.executor.in_place_sequences
     counters["staged_allreduces"] = engine.executor.staged_allreduces
-    counters["shm_collectives"] = sum(getattr(getattr(c, "shm", None), "ops", 0)
-                                      for c in list(engine.comms.values()))
+    counters["shm_collectives"] = sum(c.shm.ops for c in list(engine.comms.values())
+                                      if c.shm is not None)
     return counters
 
 

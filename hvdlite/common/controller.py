@@ -8,11 +8,11 @@ sets cannot deadlock. The event-driven loop answers as soon as a tensor is ready
 instead of waiting for the next cycle.
 
 Once a set is quiet and its tensors come back as cache hits, the coordinator hands the set to
-the ranks ("D", steady.py): they release cached tensors among themselves, and the coordinator
-sees the set again only for first sight, changes, errors, joins, stalls ("W") and shutdowns.
-Messages are tagged with the sender's last steady epoch per set; one sent before the sender saw
-the latest "D" goes back to it ("Y") instead of into the table, so the two ways of releasing a
-set never interleave differently on different ranks.
+the ranks (Item.STEADY, steady.py): they release cached tensors among themselves, and the
+coordinator sees the set again only for first sight, changes, errors, joins, stalls ("W") and
+shutdowns. Messages are tagged with the sender's last steady epoch per set; one sent before the
+sender saw the latest Item.STEADY goes back to it (Item.TAKE_BACK) instead of into the table, so
+the two ways of releasing a set never interleave differently on different ranks.
 
 A grouped call is released whole, and its ranks must pass the same members: each member is
 counted as it arrives (groups.OpenGroup), and once every rank's part is here, counts or names
@@ -67,9 +67,9 @@ class SetState:
     last_joined: int = -1
     groups: dict = field(default_factory=dict)    # group -> [Response] released together
     gone: set = field(default_factory=set)        # set ranks that shut down
-    epoch: int = 0                                # steady-state epochs handed out ("D")
+    epoch: int = 0                                # steady-state epochs handed out (Item.STEADY)
     steady: bool = False                          # the ranks release cached tensors themselves
-    unsteady: set = field(default_factory=set)    # set ranks that fell back from `epoch` ("U")
+    unsteady: set = field(default_factory=set)    # set ranks that fell back (Msg.STEADY_LEFT)
     waiting: dict = field(default_factory=dict)   # set rank -> (since, names) waiting in a round
     all_hits: bool = False                        # this round released only cache hits
     thrash_warned: bool = False                   # warned that the cache is too small
@@ -510,7 +510,7 @@ class Coordinator:
                 self.timeline.control(*msg[1:])
 
     def _sent_before_steady(self, rank: int, set_id: int, tags: dict) -> bool:
-        """True for a message sent before its sender saw the set's latest "D"."""
+        """True for a message sent before its sender saw the set's latest Item.STEADY."""
         s = self.sets.get(set_id)
         return s is not None and s.epoch > 0 and tags.get(set_id, 0) < s.epoch \
             and rank in s.index

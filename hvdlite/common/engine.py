@@ -8,10 +8,10 @@ for each launched transport call in the same order, copies results out and compl
 So negotiation of the next tensors overlaps the transport of the previous ones. Any failure
 completes every pending handle with HorovodInternalError, so no caller waits forever.
 
-Once the coordinator has put a process set into the steady state ("D"), the background thread
-releases that set's cached tensors itself: rounds of a recursive-doubling AND of cache bits over
-direct connections to the other ranks (steady.py documents the protocol), and falls back to the
-coordinator the moment anything is not a cache hit. `counters` counts both paths.
+Once the coordinator has put a process set into the steady state (Item.STEADY), the background
+thread releases that set's cached tensors itself: rounds of a recursive-doubling AND of cache
+bits over direct connections to the other ranks (steady.py documents the protocol), and falls
+back to the coordinator the moment anything is not a cache hit. `counters` counts both paths.
 
 A blocking allreduce of one cached tensor, with nothing else of its rank in flight, takes the
 express lane (express): its caller runs the round and the collective, without a handle, the
@@ -49,13 +49,13 @@ from typing import Any, Callable
 from . import collectives, interrupts, rendezvous, straggler
 from .exceptions import HorovodInternalError, HorovodMismatchError
 from .flight_recorder import RECORDER, dump, dump_async
-from .backends.base import DONE
+from .backends.base import DONE, PollableWork, ThreadedWork
 from .messages import (ADASUM, ADD_PROCESS_SET, ALLREDUCE, BARRIER, ERROR, JOIN,
                        REMOVE_PROCESS_SET, TYPE_NAMES, Request, Response)
 from .protocol import INLINE_FLOATS, PEER_INLINE_FLOATS, Item, Msg
 from .response_cache import RankCache
 from .buckets import BucketPlanner
-from .steady import (STEADY_MSG, RoundWaiter, SteadySet, TransportRound, build_responses,
+from .steady import (RoundWaiter, SteadySet, TransportRound, build_responses,
                      gone_message, payload_sum, value_from_wire, value_to_wire)
 from .wire import Channel, ProtocolError, peer_name
 
@@ -373,8 +373,8 @@ class Engine:
         # uncaught exception), and why others left, as their GONE items said.
         self.exit_reason: str | None = None
         self._gone_reasons: dict[int, str] = {}
-        self.epochs: dict[int, int] = {}            # set -> last "D" epoch seen
-        self._early: dict[tuple[int, int], list] = {}   # (set, epoch) -> K messages before "D"
+        self.epochs: dict[int, int] = {}            # set -> last Item.STEADY epoch seen
+        self._early: dict[tuple[int, int], list] = {}   # (set, epoch) -> ROUNDs before STEADY
         self._peer_out: dict[int, Channel] = {}
         self._listener = peer_listener
         if peer_listener is not None:
@@ -570,7 +570,7 @@ class Engine:
                         e.planned = True
                     self._steady_add(st, go)
                     comm = self.comms.get((st.set_id, "cpu"))
-                    spin_s = getattr(comm, "inline_poll_s", 0.0)
+                    spin_s = comm.inline_poll_s if comm is not None else 0.0
                     e = go[0]
                     try:
                         if st.over_peers:
@@ -711,7 +711,7 @@ class Engine:
             self.counters["inline_driven"] += 1
             done = None
             try:
-                done = self._express(st, [e], comm, getattr(comm, "inline_poll_s", 0.0), True)
+                done = self._express(st, [e], comm, comm.inline_poll_s, True)
                 if done is True and not blocking:
                     done = Finished([e], lambda: self._unreserve([key]))
                 return done
@@ -778,8 +778,7 @@ class Engine:
                 st.pending[bit] = e
             self.counters["inline_driven"] += len(entries)
             try:
-                return self._express(st, entries, comm, getattr(comm, "inline_poll_s", 0.0),
-                                     True)
+                return self._express(st, entries, comm, comm.inline_poll_s, True)
             except BaseException:
                 self._left_lane(st, entries, True)
                 raise
@@ -1017,9 +1016,7 @@ class Engine:
             # transfers still waited for end now, not at the transport's timeout, and the
             # threads joined below are not held by them (backends/mpi.MPICommunicator.abandon).
             for comm in list(self.comms.values()):
-                abandon = getattr(comm, "abandon", None)
-                if abandon is not None:
-                    abandon()
+                comm.abandon()
         self._stopping = True
         self._wake()
         if threading.current_thread() is not self.thread:
@@ -1261,7 +1258,7 @@ class Engine:
         """Send requests, or just their cache bits (any thread; the channel serializes).
 
         `tags` says, per set, the last steady-state epoch this rank has seen, so the coordinator
-        can hand back what was sent before the rank saw its latest "D" (steady.py)."""
+        can hand back what was sent before the rank saw its latest Item.STEADY (steady.py)."""
         full = []
         masks: dict[int, int] = {}
         for e in entries:
@@ -1355,7 +1352,8 @@ class Engine:
     # ------------------------------------------------------------------ steady state
     def _enter_steady(self, sid: int, epoch: int, width: int = 0,
                       slots: tuple | None = None) -> None:
-        """The coordinator's "D": from here this set's cached tensors are released by rounds.
+        """The coordinator's Item.STEADY: from here this set's cached tensors are released by
+        rounds.
 
         `width` > 0 asks for rounds on the transport where the set's CPU communicator offers an
         Agreement (MPI, and gloo's shared-memory path) that carries that many bits: every
@@ -1367,8 +1365,8 @@ class Engine:
             return
         st = SteadySet(sid, epoch, list(ranks), ranks.index(self.rank))
         comm = self.comms.get((sid, "cpu"))
-        agreement = getattr(comm, "agreement", None) if width > 0 else None
-        if agreement is not None and width <= getattr(agreement, "max_width", width):
+        agreement = comm.agreement if comm is not None and width > 0 else None
+        if agreement is not None and width <= agreement.max_width:
             st.agreement, st.width = agreement, width
             if slots is not None:
                 st.slots, st.slot_of = slots, {bit: i for i, bit in enumerate(slots)}
@@ -1428,7 +1426,7 @@ class Engine:
             return
         tag, payload = self._carry(st)
         rnd = st.start_round(lambda idx, k, step, value: self._peer_send(
-            st.ranks[idx], (STEADY_MSG, st.set_id, st.epoch, k, step) + value_to_wire(value)),
+            st.ranks[idx], (Msg.ROUND, st.set_id, st.epoch, k, step) + value_to_wire(value)),
             time.monotonic(), tag, payload)
         self.counters["steady_rounds"] += 1
         if self._closed is not None:
@@ -1589,7 +1587,7 @@ class Engine:
         sid, epoch, k, step = msg[1:5]
         st = self.steady.get(sid)
         if st is None or st.epoch != epoch:
-            if epoch > self.epochs.get(sid, 0):      # a peer saw "D" before this rank did
+            if epoch > self.epochs.get(sid, 0):      # a peer saw Item.STEADY before this rank did
                 self._early.setdefault((sid, epoch), []).append(msg)
             return
         st.offer(k, step, value_from_wire(msg[5:]))
@@ -1661,7 +1659,8 @@ class Engine:
             self._send_entries(entries, self.epochs)
 
     def _take_back(self, sid: int, names: list, bits: list) -> None:
-        """The coordinator returned tensors sent before this rank saw the set's latest "D"."""
+        """The coordinator returned tensors sent before this rank saw the set's latest
+        Item.STEADY."""
         wanted = set(bits)
         with self._lock:
             entries = [self._inflight.get((sid, n)) for n in names]
@@ -1827,7 +1826,7 @@ class Engine:
         except OSError:
             alive, msgs = False, []
         for msg in msgs:
-            if msg[0] == STEADY_MSG:
+            if msg[0] == Msg.ROUND:
                 self._on_steady_msg(msg)
         if not alive:
             try:
@@ -1938,7 +1937,7 @@ class Engine:
             work = box[0] = next(gen)
             while work is DONE:  # a one-rank set: nothing to wait for, finish here
                 work = box[0] = gen.send(None)
-            poll_s = getattr(comm, "inline_poll_s", 0.0)
+            poll_s = comm.inline_poll_s
             if poll_s and seq == self._transport_seq - 1 and len(self._in_transport) == 1 \
                     and resp.nbytes() <= INLINE_POLL_BYTES:
                 work = self._poll_inline(gen, box, poll_s)
@@ -1954,9 +1953,8 @@ class Engine:
         except BaseException as exc:       # (on a caller's thread: _left_transfer)
             self._left_transfer(seq, gen, box[0], resp, tl, exc, None)
             raise
-        then = getattr(work, "then", None)
-        if then is not None:              # the transport finishes the collective itself
-            then(lambda: self._resume(seq, gen, work, resp, tl))
+        if isinstance(work, ThreadedWork):   # the transport finishes the collective itself
+            work.then(lambda: self._resume(seq, gen, work, resp, tl))
             return
         self._transport.put((seq, gen, work, resp, tl))
 
@@ -1993,13 +1991,12 @@ class Engine:
         """
         deadline = time.perf_counter() + poll_s
         work = box[0]
-        test = getattr(work, "is_completed", None)
-        while test is not None:
-            if not test() and getattr(work, "then", None) is not None:
+        while isinstance(work, PollableWork):
+            if not work.is_completed() and isinstance(work, ThreadedWork):
                 # Run by a thread of the transport (shared memory's worker): polling would
                 # only take the GIL from it (a 14 MB allreduce ran 3x slower so).
                 return work
-            while not test():
+            while not work.is_completed():
                 if time.perf_counter() > deadline:
                     return work
             work.wait()                   # completed: raises a transport error, copies back
@@ -2007,7 +2004,6 @@ class Engine:
                 work = box[0] = gen.send(None)
             except StopIteration:
                 return None
-            test = getattr(work, "is_completed", None)
         return work
 
     def _left_transfer(self, seq: int, gen, work, resp: Response, tl, exc: BaseException,

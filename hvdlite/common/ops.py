@@ -420,7 +420,7 @@ def fuses_in_place(process_set=None) -> bool:
     a loss from it (2 gloo ranks, three alternating runs: 28.2-28.4 ms a step against
     26.4-27.6), the hooks' copies into the buffer costing more than the fusion saved."""
     comm = _state().engine.comms.get((set_id(process_set), "cpu"))
-    return bool(getattr(comm, "fuses_in_place", False))
+    return comm is not None and comm.fuses_in_place
 
 
 def allreduce_now(buffer: Buffer, output: Buffer, *, name: Optional[str] = None,

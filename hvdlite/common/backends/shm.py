@@ -68,6 +68,7 @@ from ..messages import MAX, MIN, PRODUCT, SUM
 from ..protocol import INLINE_FLOATS    # a round's payload (ShmAgreement)
 from ..arith import copy_scaled, reduce_in_order, scale_
 from ..flat import unpack
+from .base import Agreement, Communicator, ThreadedWork
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ class ShmError(RuntimeError):
     """A shared-memory collective could not finish (timeout, dead peer)."""
 
 
-class _Work:
+class _Work(ThreadedWork):
     """Pending shared-memory collective: `wait()` blocks until the channel ran it.
 
     Completion is a flag and a lock held until then (as engine.Handle's): a threading.Event
@@ -211,7 +212,7 @@ class _Work:
             raise self._error
 
 
-class ShmAgreement:
+class ShmAgreement(Agreement):
     """The steady state's rounds (steady.py) through the segment: what Agreement is on MPI.
 
     Why: over the control connections a round costs a message each way between the ranks'
@@ -905,7 +906,7 @@ def _pid_ns() -> str:
         return "unknown"
 
 
-class ShmRouted:
+class ShmRouted(Communicator):
     """The routing a transport with a shared-memory channel shares: allreduce, reducescatter,
     allgather and broadcast go through `self.shm` when it takes the tensors (CPU, a dtype torch
     reduces elementwise, at least `shm_min_bytes`), otherwise to the transport's own
