@@ -222,8 +222,8 @@ def test_handle_wait_interrupted_gives_the_handle_up_once_its_own_timeout_does_n
     TimeoutError leaves the handle usable and its names taken, as documented."""
     from types import SimpleNamespace
 
-    from hvdlite.common.engine import Entry, Handle
-    h = Handle([Entry(SimpleNamespace(name="t"))])
+    from hvdlite.common.engine import Entry, Completion
+    h = Completion([Entry(SimpleNamespace(name="t"))])
     given_up = []
     h._on_abandon = given_up.append
     try:
@@ -391,18 +391,18 @@ def test_bucket_planner_reuses_a_repeated_pass_and_recuts_a_changed_one():
 
 
 def test_engine_handle_latch_wakes_every_waiter_once_and_times_out_cleanly():
-    """engine.Handle completes through a flag and a held lock (cheaper than an Event): every
+    """engine.Completion completes through a flag and a held lock (cheaper than an Event): every
     waiter wakes, a timeout leaves the handle usable, a late failure changes nothing."""
     import threading
     import time
 
     import pytest
 
-    from hvdlite.common.engine import Entry, Handle
+    from hvdlite.common.engine import Entry, Completion
     from hvdlite.common.messages import Request
 
     entries = [Entry(Request(rank=0, name=f"t{i}", type=ALLREDUCE)) for i in range(2)]
-    h = Handle(entries)
+    h = Completion(entries)
     assert not h.done()
     with pytest.raises(TimeoutError):
         h.wait(timeout=0)
@@ -425,7 +425,7 @@ def test_engine_handle_latch_wakes_every_waiter_once_and_times_out_cleanly():
     assert h.error is None and fired == [1] and h.wait(timeout=0) == [0, 1]
     h.add_callback(lambda: fired.append(2))   # after completion: at once
     assert fired == [1, 2]
-    failed = Handle([Entry(Request(rank=0, name="f", type=ALLREDUCE))])
+    failed = Completion([Entry(Request(rank=0, name="f", type=ALLREDUCE))])
     failed._fail("boom")
     from hvdlite.common.exceptions import HorovodInternalError
     with pytest.raises(HorovodInternalError, match="boom"):
