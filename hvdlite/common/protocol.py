@@ -147,18 +147,15 @@ __all__ = ["Msg", "Item", "ToDriver", "ToWorker", "KINDS", "FRAME_TAGS"]
 # The float32 payload a steady-state round carries beside its bits (steady.py, point 2), in
 # elements: 4 KiB. The same on every transport that carries one (backends/mpi.Agreement,
 # backends/shm.ShmAgreement), and a constant of the code, not a setting: every rank's round
-# must be the same size. Measured on 2 MPI ranks here (one non-blocking allreduce, polled): a
-# round of 16 bytes took 1.3-1.5 us, one with this payload 2.2 us, one with 16 KiB 8.6 us
-# (MPICH changes algorithm).
+# must be the same size. Why this size: a round stays about as cheap as one without a payload,
+# and past it MPICH changes algorithm (benchmarks/HISTORY.md, "round payloads").
 INLINE_FLOATS = 1024
 # The most payload one message of a round over the control connections (steady.combine)
 # carries, in float32 elements: 64 KiB. Those rounds gather every rank's copy of the tensor
 # (so every rank can add them in rank order), and the last step's message holds half of
 # them, so they carry a tensor of up to 2 x this / N elements: 64 KiB on 2 ranks, 16 KiB on 8.
 # (Where N is not a power of two, the message that hands an extra rank the result holds all
-# of them: twice this.)
-# Measured on 2 gloo ranks without shared memory here (medians of 5 rounds, a noisy machine):
-# the round alone took 250-400 us for 4 KiB, 250-400 us for 16 KiB, 330-520 us for 64 KiB,
-# and 580 us for 256 KiB, against 1.7-2.4 ms as a round and a gloo call from 16 KiB up. Past
-# 64 KiB each message's HMAC and copies grow (~70 us a step at 64 KiB, ~0.5 ms at 256 KiB).
+# of them: twice this.) Why 64 KiB: up to it a round that carries the tensor costs little more
+# than the round alone, and far less than a round and a gloo call; past it each message's HMAC
+# and copies grow (benchmarks/HISTORY.md, "round payloads").
 PEER_INLINE_FLOATS = 16384
