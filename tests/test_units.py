@@ -515,7 +515,7 @@ def test_scale_gives_torchs_bits_on_every_path_and_bumps_the_version(dtype):
 def test_hang_report_skips_collectives_that_already_failed():
     """The hang report names the first collective still in progress on each rank: one that
     failed earlier (a mismatch the job went on from) is over, not the one waited on."""
-    from hvdlite.runner.hang_report import divergence
+    from hvdlite.common.flight_report import divergence
 
     def rec(name, state):
         return {"name": name, "op": "allreduce", "shape": [2], "dtype": "float32",
