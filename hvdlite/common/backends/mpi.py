@@ -18,6 +18,7 @@ from .. import config
 from ..threads import local_ranks as _local_ranks, usable_cores
 from ..messages import MAX, MIN, PRODUCT, SUM
 from ..protocol import INLINE_FLOATS
+from ..rendezvous import Identity
 from ..steady import set_bits
 from . import shm
 from .base import Agreement as _AgreementBase, PollableWork
@@ -661,7 +662,6 @@ def world(comm=None):
 
 
 def identity(comm):
-    from ..rendezvous import Identity
     hostname = (config.raw("HVDLITE_HOSTNAME") or config.raw("HOROVOD_HOSTNAME")
                 or socket.gethostname())
     return Identity(comm.Get_rank(), comm.Get_size(), None, None, False, "MPI", hostname)
