@@ -38,7 +38,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hvdlite.common.config import Settings  # noqa: E402
-from hvdlite.common.controller import Coordinator, SetState, _Peer  # noqa: E402
+from hvdlite.common.controller import Coordinator, Peer, SetState  # noqa: E402
 from hvdlite.common.messages import ALLREDUCE, SUM, Request  # noqa: E402
 from hvdlite.common.response_cache import CoordinatorCache, RankCache  # noqa: E402
 from hvdlite.common.steady import STEADY_MSG, SteadySet, build_responses  # noqa: E402
@@ -112,7 +112,7 @@ def star_cycle(n: int, n_tensors: int, rounds: int, hop: float) -> dict:
     up = [link() for _ in range(n)]      # rank -> coordinator
     down = [link() for _ in range(n)]    # coordinator -> rank
     for r in range(n):
-        coord.peers[r] = _Peer(down[r][0], rank=r)
+        coord.peers[r] = Peer(down[r][0], rank=r)
     coord.sets[0] = SetState(0, list(range(n)), CoordinatorCache(settings.cache_capacity))
     caches = [RankCache() for _ in range(n)]
 

@@ -155,7 +155,7 @@ def _as_ranks(fn, size: int = 2) -> list:
 def _pair_asking(monkeypatch, asks: list) -> list:
     """_pair, with rank r's HVDLITE_SHM_CHUNK_MB read as asks[r] (bytes, or None for auto):
     the two ranks are threads of this process, so one environment cannot differ between them."""
-    monkeypatch.setattr(shm, "chunk_setting",
+    monkeypatch.setattr(shm.settings, "chunk_setting",
                         lambda: asks[int(threading.current_thread().name[-1])])
     return _pair(monkeypatch, 30.0)
 
@@ -167,9 +167,9 @@ def test_the_chunk_size_is_measured_once_and_agreed(monkeypatch):
     across ranks); later channels of the same shape reuse it without measuring, unless a rank
     does not know it; HVDLITE_SHM_CHUNK_MB overrides it, the largest any rank asks for
     winning (0: whole slots)."""
-    monkeypatch.setattr(shm, "local_ranks", lambda size: size)
-    monkeypatch.setattr(shm, "usable_cores", lambda: 2)
-    monkeypatch.setattr(shm, "_settled", {})
+    monkeypatch.setattr(shm.segment, "local_ranks", lambda size: size)
+    monkeypatch.setattr(shm.segment, "usable_cores", lambda: 2)
+    monkeypatch.setattr(shm.settings, "_settled", {})
     measured = []
     real = shm.ShmChannel._measure_chunk
 
@@ -202,7 +202,7 @@ def test_the_chunk_size_is_measured_once_and_agreed(monkeypatch):
     first, slot = chunks([None, None])
     assert sorted(measured) == [0, 1], "both ranks measure together, once"
     assert first[0] == first[1] and first[0] in (shm.SPIN_CHUNK_BYTES, slot)
-    assert shm._settled == {(2, slot): first[0]}
+    assert shm.settings._settled == {(2, slot): first[0]}
     again, _ = chunks([None, None])
     assert again == first and len(measured) == 2, "known on every rank: agreed, not measured"
     # One rank asks for 1 MiB, the other leaves it to the measurement: 1 MiB on both.
@@ -210,7 +210,7 @@ def test_the_chunk_size_is_measured_once_and_agreed(monkeypatch):
     # 1 MiB against whole slots (0): the largest, whole slots, on both.
     assert chunks([1 << 20, 0])[0] == [slot, slot]
     # A rank that does not know the answer yet (as in a new process): both measure again.
-    monkeypatch.setattr(shm, "_settled", _PerRank([{(2, slot): shm.SPIN_CHUNK_BYTES}, {}]))
+    monkeypatch.setattr(shm.settings, "_settled", _PerRank([{(2, slot): shm.SPIN_CHUNK_BYTES}, {}]))
     fresh, _ = chunks([None, None])
     assert fresh[0] == fresh[1] and len(measured) == 4
 

@@ -86,7 +86,7 @@ def _engine_with_round(round_no: int):
     round `round_no` of epoch 3, with one barrier pending on cache bit 5."""
     import threading
 
-    from hvdlite.common.engine import Engine, Entry, Handle
+    from hvdlite.common.engine import Engine, Entry, Completion
     from hvdlite.common.messages import BARRIER, Request
     from hvdlite.common.steady import SteadySet
 
@@ -97,7 +97,7 @@ def _engine_with_round(round_no: int):
     eng.counters = {"steady_released": 0, "steady_rounds": 0}
     st = SteadySet(0, 3, [0, 1, 2, 3], 0)
     e = Entry(Request(rank=0, name="barrier", type=BARRIER))
-    e.handle = Handle([e])
+    e.handle = Completion([e])
     st.pending[5] = e
     st.round_no = round_no
     st.round = object()                  # a round in flight

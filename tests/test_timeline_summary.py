@@ -1,4 +1,4 @@
-"""`hvdlite-timeline` (python -m hvdlite.common.timeline_summary) on a timeline written by a real
+"""`hvdlite-timeline` (python -m hvdlite.tools.timeline_summary) on a timeline written by a real
 2-rank run, complete and cut short as a crashed job leaves it."""
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from hvdlite.common.timeline_summary import PHASES, read_events
+from hvdlite.tools.timeline_summary import PHASES, read_events
 from util import ROOT, hvdlite_run
 
 
 def summary(path, *args) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "hvdlite.common.timeline_summary", str(path),
+    return subprocess.run([sys.executable, "-m", "hvdlite.tools.timeline_summary", str(path),
                            *args], capture_output=True, text=True, timeout=60, env=env)
 
 

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from hvdlite.common.backends.base import PollableWork
 from hvdlite.common.collectives import FusionBuffer
 from hvdlite.common.fusion import fuse_responses
 from hvdlite.common.messages import ALLREDUCE, BROADCAST, Response
@@ -102,7 +103,7 @@ def test_fusion_buffers_are_aligned_for_every_dtype():
     buf[:8].view(torch.float64).fill_(1.5)            # any dtype may be viewed on it
 
 
-class _Work:
+class _Work(PollableWork):
     """A transport request completing after `polls` tests (the polling logic alone)."""
 
     def __init__(self, polls: int, error: Exception | None = None):
@@ -221,8 +222,8 @@ def test_handle_wait_interrupted_gives_the_handle_up_once_its_own_timeout_does_n
     TimeoutError leaves the handle usable and its names taken, as documented."""
     from types import SimpleNamespace
 
-    from hvdlite.common.engine import Entry, Handle
-    h = Handle([Entry(SimpleNamespace(name="t"))])
+    from hvdlite.common.engine import Entry, Completion
+    h = Completion([Entry(SimpleNamespace(name="t"))])
     given_up = []
     h._on_abandon = given_up.append
     try:
@@ -390,18 +391,18 @@ def test_bucket_planner_reuses_a_repeated_pass_and_recuts_a_changed_one():
 
 
 def test_engine_handle_latch_wakes_every_waiter_once_and_times_out_cleanly():
-    """engine.Handle completes through a flag and a held lock (cheaper than an Event): every
+    """engine.Completion completes through a flag and a held lock (cheaper than an Event): every
     waiter wakes, a timeout leaves the handle usable, a late failure changes nothing."""
     import threading
     import time
 
     import pytest
 
-    from hvdlite.common.engine import Entry, Handle
+    from hvdlite.common.engine import Entry, Completion
     from hvdlite.common.messages import Request
 
     entries = [Entry(Request(rank=0, name=f"t{i}", type=ALLREDUCE)) for i in range(2)]
-    h = Handle(entries)
+    h = Completion(entries)
     assert not h.done()
     with pytest.raises(TimeoutError):
         h.wait(timeout=0)
@@ -424,7 +425,7 @@ def test_engine_handle_latch_wakes_every_waiter_once_and_times_out_cleanly():
     assert h.error is None and fired == [1] and h.wait(timeout=0) == [0, 1]
     h.add_callback(lambda: fired.append(2))   # after completion: at once
     assert fired == [1, 2]
-    failed = Handle([Entry(Request(rank=0, name="f", type=ALLREDUCE))])
+    failed = Completion([Entry(Request(rank=0, name="f", type=ALLREDUCE))])
     failed._fail("boom")
     from hvdlite.common.exceptions import HorovodInternalError
     with pytest.raises(HorovodInternalError, match="boom"):
@@ -514,7 +515,7 @@ def test_scale_gives_torchs_bits_on_every_path_and_bumps_the_version(dtype):
 def test_hang_report_skips_collectives_that_already_failed():
     """The hang report names the first collective still in progress on each rank: one that
     failed earlier (a mismatch the job went on from) is over, not the one waited on."""
-    from hvdlite.runner.hang_report import divergence
+    from hvdlite.common.flight_report import divergence
 
     def rec(name, state):
         return {"name": name, "op": "allreduce", "shape": [2], "dtype": "float32",

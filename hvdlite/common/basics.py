@@ -24,6 +24,7 @@ from .config import Settings
 from .controller import Coordinator
 from .engine import Engine
 from .exceptions import HorovodInternalError
+from . import process_sets
 from .process_sets import ProcessSet, global_process_set
 from .protocol import Msg
 from .rendezvous import PEER_NONCE, client_handshake
@@ -450,8 +451,8 @@ def engine_counters() -> dict[str, int]:
     counters["in_place_members"] = engine.executor.in_place_members
     counters["in_place_sequences"] = engine.executor.in_place_sequences
     counters["staged_allreduces"] = engine.executor.staged_allreduces
-    counters["shm_collectives"] = sum(getattr(getattr(c, "shm", None), "ops", 0)
-                                      for c in list(engine.comms.values()))
+    counters["shm_collectives"] = sum(c.shm.ops for c in list(engine.comms.values())
+                                      if c.shm is not None)
     return counters
 
 
@@ -484,49 +485,6 @@ def find_process_set(ranks: Iterable[int]) -> Optional[ProcessSet]:
 def dynamic_process_sets() -> bool:
     """True when this job may add and remove process sets after init()."""
     return _require().dynamic
-
-
-def add_process_set(process_set: Any) -> ProcessSet:
-    """Register a new process set on every rank (a collective: every rank must call it, in the
-    same order, with the same ranks)."""
-    state = _require()
-    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    if ps.ranks is None:
-        raise ValueError("add_process_set needs a ProcessSet built from a list of ranks")
-    if not state.dynamic:
-        raise ValueError("add_process_set() needs dynamic process sets: call "
-                         "hvd.init(process_sets='dynamic') or set HOROVOD_DYNAMIC_PROCESS_SETS=1.")
-    if ps.process_set_id is not None:
-        raise ValueError(f"{ps} is already registered")
-    from . import ops
-    state.add_counter += 1
-    try:
-        sid = ops.process_set_change(f"process_set.add.{state.add_counter}", tuple(ps.ranks),
-                                     add=True).wait()
-    except HorovodInternalError as exc:
-        raise ValueError(str(exc)) from None
-    ps.process_set_id = sid
-    state.sets[sid] = ps
-    return ps
-
-
-def remove_process_set(process_set: ProcessSet) -> bool:
-    """Unregister a process set on every rank (a collective). Returns True when removed;
-    False, as in Horovod, for a set that is not registered and for the global set, which is
-    never removed (no collective is run then)."""
-    state = _require()
-    sid = process_set.process_set_id
-    if sid is None or sid == 0:
-        return False
-    from . import ops
-    state.add_counter += 1
-    try:
-        ops.process_set_change(f"process_set.remove.{state.add_counter}", sid, add=False).wait()
-    except HorovodInternalError as exc:
-        raise ValueError(str(exc)) from None
-    process_set._invalidate()
-    state.sets.pop(sid, None)
-    return True
 
 
 # ---------------------------------------------------------------------- timeline
@@ -618,3 +576,8 @@ def cuda_built() -> bool:
 def rocm_built() -> bool:
     """Always False: hvdlite is not built for ROCm (Horovod's compile-time flag)."""
     return False
+
+
+# ProcessSet.size/rank/included read the job's membership through these (process_sets.py sits
+# below this module, which owns the job's state).
+process_sets.bind(_set_ranks, rank)

@@ -302,7 +302,7 @@ class Executor:
                 scale_(out, resp.prescale)
                 scale_(out, post)
             return
-        direct = getattr(comm, "allreduce_tensors", None)
+        direct = comm.allreduce_tensors
         lone = len(inputs) == 1
         # An output that is not contiguous is reduced into a contiguous stand-in and copied
         # back, on the two routes below that reduce in the outputs' own memory: contiguity is
@@ -333,7 +333,7 @@ class Executor:
             return
         itemsize = torch.empty((), dtype=dtype).element_size()
         counts = [math.prod(s) for s in resp.shapes]
-        in_order = getattr(comm, "in_order", None)
+        in_order = comm.in_order
         if in_order is not None:
             big = [i for i, n in enumerate(counts) if n * itemsize >= comm.inplace_min_bytes]
             if big:
@@ -383,7 +383,7 @@ class Executor:
             big = rest + big
         self._tl(resp.names, "ALLREDUCE")
         self.in_place_members += len(big)
-        sequence = getattr(comm, "allreduce_sequence", None)
+        sequence = comm.allreduce_sequence
         direct = [i for i in big if outputs[i] is None
                   or (outputs[i].is_contiguous() and _on(comm, outputs[i]))]
         # The chained calls only where every member is reduced in its own memory: the calls

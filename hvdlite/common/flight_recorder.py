@@ -5,7 +5,7 @@ and each rank only knows its own half. So every rank keeps a small ring buffer o
 collectives (name, op, shape, dtype, process set, state, enqueue/start/finish times), and dumps
 it with the Python stack of every thread:
 
-- when the coordinator reports a stall (it asks every rank to dump, a "D" message),
+- when the coordinator reports a stall (it asks every rank to dump, a Msg.DUMP frame),
 - on SIGUSR1 (hvdlite-run sends it to every rank when it is interrupted),
 - by `dump()` from code.
 

@@ -21,12 +21,14 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
+from .backends.base import Communicator, Work
+
 log = logging.getLogger(__name__)
 
 CommFactory = Callable[..., Any]
 
 
-class _Pending:
+class _Pending(Work):
     """The transport-style pending work of one hierarchical allreduce (`.wait()` raises its
     error). The helper thread always finishes a job: every step waits on the transport, whose
     own timeout (HOROVOD_GLOO_TIMEOUT_SECONDS) turns a lost peer into an error."""
@@ -54,7 +56,7 @@ def host_groups(hosts: Mapping[Any, str], size: int) -> list[list[int]]:
     return list(groups.values())
 
 
-class HierarchicalCommunicator:
+class HierarchicalCommunicator(Communicator):
     """The global set's communicator with a three-step allreduce; everything else is `flat`'s."""
 
     def __init__(self, flat: Any, rank: int, groups: list[list[int]], make: CommFactory) -> None:
@@ -73,8 +75,31 @@ class HierarchicalCommunicator:
                                         daemon=True)
         self._thread.start()
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.flat, name)   # allgather, broadcast, reducescatter, alltoall, ...
+    # Everything but allreduce is `flat`'s, its optional capabilities too (backends/base.py).
+    def reducescatter(self, output: torch.Tensor, tensor: torch.Tensor, op: int) -> Work:
+        return self.flat.reducescatter(output, tensor, op)
+
+    def allgather(self, output: torch.Tensor, tensor: torch.Tensor) -> Work:
+        return self.flat.allgather(output, tensor)
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Work:
+        return self.flat.broadcast(tensor, root)
+
+    def alltoall(self, output: torch.Tensor, tensor: torch.Tensor, out_splits: list[int],
+                 in_splits: list[int]) -> Work:
+        return self.flat.alltoall(output, tensor, out_splits, in_splits)
+
+    def abandon(self) -> None:
+        self.flat.abandon()
+
+    inline_poll_s = property(lambda self: self.flat.inline_poll_s)
+    agreement = property(lambda self: self.flat.agreement)
+    in_order = property(lambda self: self.flat.in_order)
+    inplace_min_bytes = property(lambda self: self.flat.inplace_min_bytes)
+    shm = property(lambda self: self.flat.shm)
+    fuses_in_place = property(lambda self: self.flat.fuses_in_place)
+    allreduce_tensors = property(lambda self: self.flat.allreduce_tensors)
+    allreduce_sequence = property(lambda self: self.flat.allreduce_sequence)
 
     def allreduce(self, tensor: torch.Tensor, op: int) -> _Pending:
         pending = _Pending()

@@ -22,7 +22,7 @@ from . import adasum as _adasum
 from . import basics as _basics
 from . import naming
 from . import validation as _validation
-from .collectives import DTYPE_NAMES
+from .collectives import DTYPE_NAMES, host_buffer
 from .engine import Entry, Finished
 from .exceptions import HorovodInternalError, NotInitializedError
 from .messages import (ADASUM, ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BARRIER,
@@ -425,7 +425,7 @@ def fuses_in_place(process_set: SetArg = None) -> bool:
     a loss from it (2 gloo ranks, three alternating runs: 28.2-28.4 ms a step against
     26.4-27.6), the hooks' copies into the buffer costing more than the fusion saved."""
     comm = _state().engine.comms.get((set_id(process_set), "cpu"))
-    return bool(getattr(comm, "fuses_in_place", False))
+    return comm is not None and comm.fuses_in_place
 
 
 def allreduce_now(buffer: Buffer, output: Buffer, *, name: Optional[str] = None,
@@ -621,6 +621,19 @@ def barrier(process_set: SetArg = None) -> Handle:
     return _submit([Entry(req)], lambda res: None)
 
 
+def engine_token() -> object:
+    """Stays the same object while this process's engine does, and changes with a new one
+    (after init, or an elastic reset): a frontend that agreed something with the ranks for one
+    engine agrees again for the next (torch/flat_grads.py)."""
+    return _state().engine
+
+
+def flat_buffer(nbytes: int) -> torch.Tensor:
+    """A CPU buffer for a frontend's flat gradients, allocated as the engine's fusion buffers
+    are (collectives.host_buffer says why)."""
+    return host_buffer(nbytes)
+
+
 def process_set_change(name: str, extra: Any, add: bool) -> Handle:
     """Register (`extra`: the ranks) or remove (`extra`: the set id) a process set on every rank:
     a collective over the whole job. Result: the set id."""
@@ -696,3 +709,44 @@ __all__ = ["Buffer", "Handle", "output_like", "allreduce", "allreduce_now", "all
            "allgather_object", "refuse", "blocking_name", "set_id", "set_ranks", "dtype_name",
            "check_reduce_op", "resolve_names",
            "AVERAGE", "SUM", "ADASUM", "MIN", "MAX", "PRODUCT"]
+
+
+def add_process_set(process_set) -> ProcessSet:
+    """Register a new process set on every rank (a collective: every rank must call it, in the
+    same order, with the same ranks)."""
+    state = _basics._require()
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps.ranks is None:
+        raise ValueError("add_process_set needs a ProcessSet built from a list of ranks")
+    if not state.dynamic:
+        raise ValueError("add_process_set() needs dynamic process sets: call "
+                         "hvd.init(process_sets='dynamic') or set HOROVOD_DYNAMIC_PROCESS_SETS=1.")
+    if ps.process_set_id is not None:
+        raise ValueError(f"{ps} is already registered")
+    state.add_counter += 1
+    try:
+        sid = process_set_change(f"process_set.add.{state.add_counter}", tuple(ps.ranks),
+                                 add=True).wait()
+    except HorovodInternalError as exc:
+        raise ValueError(str(exc)) from None
+    ps.process_set_id = sid
+    state.sets[sid] = ps
+    return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a process set on every rank (a collective). Returns True when removed;
+    False, as in Horovod, for a set that is not registered and for the global set, which is
+    never removed (no collective is run then)."""
+    state = _basics._require()
+    sid = process_set.process_set_id
+    if sid is None or sid == 0:
+        return False
+    state.add_counter += 1
+    try:
+        process_set_change(f"process_set.remove.{state.add_counter}", sid, add=False).wait()
+    except HorovodInternalError as exc:
+        raise ValueError(str(exc)) from None
+    process_set._invalidate()
+    state.sets.pop(sid, None)
+    return True

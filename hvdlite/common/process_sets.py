@@ -1,7 +1,18 @@
 """Process sets: subsets of ranks with their own negotiation and communicator (Horovod's API)."""
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
+
+# The job's membership: set id -> its global ranks, and this process's global rank. Installed by
+# basics (bind), which owns the job's state and imports this module.
+_set_ranks: Optional[Callable[[int], list]] = None
+_rank: Optional[Callable[[], int]] = None
+
+
+def bind(set_ranks: Callable[[int], list], rank: Callable[[], int]) -> None:
+    """Where ProcessSet asks for its members (basics._set_ranks, basics.rank)."""
+    global _set_ranks, _rank
+    _set_ranks, _rank = set_ranks, rank
 
 
 class ProcessSet:
@@ -27,20 +38,18 @@ class ProcessSet:
 
     def size(self) -> Optional[int]:
         """Size of the set, or None if it is not registered."""
-        from . import basics
         if self.process_set_id is None:
             return None
-        return len(basics._set_ranks(self.process_set_id))
+        return len(_set_ranks(self.process_set_id))
 
     def rank(self) -> Optional[int]:
         """This process's rank within the set, None if the set is not registered; raises
         ValueError where this process is not a member, as Horovod does (`included()` asks
         without raising)."""
-        from . import basics
         if self.process_set_id is None:
             return None
-        ranks = basics._set_ranks(self.process_set_id)
-        me = basics.rank()
+        ranks = _set_ranks(self.process_set_id)
+        me = _rank()
         if me not in ranks:
             raise ValueError(f"Process is not part of provided process set: rank {me} is not "
                              f"one of its ranks {list(ranks)} (ask included() first)")
@@ -48,10 +57,9 @@ class ProcessSet:
 
     def included(self) -> Optional[bool]:
         """Whether this process is in the set, or None if the set has no ranks yet."""
-        from . import basics
         if self.ranks is None:
             return None
-        return basics.rank() in self.ranks
+        return _rank() in self.ranks
 
     def __str__(self) -> str:
         return (f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, "

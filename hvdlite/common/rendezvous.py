@@ -280,6 +280,15 @@ def round_aborted(ident: Identity, wait_s: float = 0.0) -> Optional[str]:
     return link.aborted(ident.round, wait_s)
 
 
+def expect_driver_close(why: str) -> None:
+    """This worker is done (its function returned) but its process lives on (a Ray actor):
+    the driver closing the link from now on is the job's end, not a lost driver."""
+    link = _link
+    if link is not None:
+        with link._cond:
+            link._reply = ("X", why)
+
+
 def report_hung(ranks: list) -> None:
     """Ranks of the current round that the coordinator found hung (stalled past the stall
     shutdown time): the next join request names them, so the driver ends those processes."""

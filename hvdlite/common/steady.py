@@ -11,7 +11,7 @@ so no transport call of gloo or MPI is spent on it and nothing waits in a blocki
 
 The protocol, per process set (every rank of the set runs it; rank 0 is not special):
 
-1. Entering. The coordinator sends ``("D", set, epoch)`` on the ordered response stream of
+1. Entering. The coordinator sends ``(Item.STEADY, set, epoch)`` on the ordered response stream of
    every member once the set is quiet (no table entry, no pending bit, nobody joined, no open
    group) and its last release was all cache hits. Every rank therefore enters the steady state
    for the set at the same point of that stream: after every response released before it.
@@ -23,21 +23,22 @@ The protocol, per process set (every rank of the set runs it; rank 0 is not spec
    (same name and signature as its cache entry) becomes a pending bit; anything else (first
    sight, a changed shape or dtype, join, process-set changes) is held and raises the
    *fallback* flag. A grouped op's members are cached one by one, and a rank offers a group
-   whole or not at all (engine.Engine._steady_add), so a round releases it whole. A barrier
-   (one name per set) is cached like a collective: its round, which ends only once every rank
-   has offered the bit, is the barrier. A rank with anything pending starts round k: the value
+   whole or not at all (engine.Engine._steady_add), so a round releases it whole. A barrier (one
+   name per set) is cached like a collective: its round, which ends only once every rank has
+   offered the bit, is the barrier. A rank with anything pending starts round k: the value
    ``(AND of pending bits, OR of fallback flags)`` is combined by recursive doubling over the
-   set's ranks (``("K", set, epoch, k, step, bits, flag)`` messages; ceil(log2 N) exchanges per
-   rank and round, plus one pre/post step when N is not a power of two), so every rank ends
-   round k with the same value. Rounds are numbered, so a message that arrives early waits in
-   an inbox.
+   set's ranks (``(Msg.ROUND, set, epoch, k, step, bits, flag)`` messages; ceil(log2 N)
+   exchanges per rank and round, plus one pre/post step when N is not a power of two), so every
+   rank ends round k with the same value. Rounds are numbered, so a message that arrives early
+   waits in an inbox.
    On MPI a round is instead one allreduce (bitwise AND) on a duplicate of the set's
-   communicator (TransportRound, backends/mpi.Agreement). "D" carries the width: the number of
-   bits the set's cache has handed out (no new bit can appear before the next fallback, since
-   new bits need the coordinator). Bits are never reused, so a name whose signature keeps
-   changing hands out a new one each time; once they outnumber COMPACT_WIDTH, "D" also carries
-   the live bits (slots), and a round carries bit slots[i] at position i: its width stays the
-   number of live tensors instead of growing with the job (after 5,000 changes of one name, the
+   communicator (TransportRound, backends/mpi.Agreement). Item.STEADY carries the width: the
+   number of bits the set's cache has handed out (no new bit can appear before the next
+   fallback, since new bits need the coordinator). Bits are never reused, so a name whose
+   signature keeps changing hands out a new one each time; once they outnumber COMPACT_WIDTH,
+   Item.STEADY also carries the live bits (slots), and a round carries bit slots[i] at position
+   i: its width stays the number of live tensors instead of growing with the job (after 5,000
+   changes of one name, the
    shared-memory rounds no longer fitted and went to the control connections: a 4 KiB allreduce
    took 300 us instead of 40 for the rest of the job). MPI matches every rank's k-th round. It
    costs a few us through shared memory against ~100 us for messages between Python threads,
@@ -72,7 +73,7 @@ The protocol, per process set (every rank of the set runs it; rank 0 is not spec
    A round over the control connections carries them the same way: a rank whose pending
    tensors are all such allreduces, with N x their elements at most 2 x PEER_INLINE_FLOATS
    (protocol.py; a step's message carries at most PEER_INLINE_FLOATS of them, the result sent
-   to an extra rank all N copies), adds ``(tag, payload)`` to its "K" messages
+   to an extra rank all N copies), adds ``(tag, payload)`` to its Msg.ROUND messages
    (value_to_wire), its tag the mask of the bits it offers. Each step of the recursive
    doubling gathers the payloads when both sides carry the same tag (combine), so every rank
    ends the round with every rank's payload, adds them in rank order (payload_sum: the same
@@ -93,14 +94,14 @@ The protocol, per process set (every rank of the set runs it; rank 0 is not spec
    made, and a rank that changed any of them has no bit to offer. Bits that are not common stay
    pending for the next round; a rank with nothing pending takes no part until it has.
 4. Fallback. When a round ends with the flag set, every rank (having released that round's
-   common bits) leaves the steady state for the set, sends ``("U", set, epoch)`` and then sends
-   its remaining bits and held requests to the coordinator in full, tagged with the epoch. Full
-   negotiation then runs exactly as before, with every cross-rank check and error message it
-   has. Cache evictions the coordinator announces while a rank is still steady wait until it
-   has fallen back. The coordinator answers a message tagged with an older epoch (sent before
-   the sender saw "D") with ``("Y", set, names, bits)``: the rank takes those tensors back into
-   whichever mode it is in now. A new "D" for the set is only sent once every member's "U" of
-   the previous epoch has arrived.
+   common bits) leaves the steady state for the set, sends ``(Msg.STEADY_LEFT, set, epoch)`` and
+   then sends its remaining bits and held requests to the coordinator in full, tagged with the
+   epoch. Full negotiation then runs exactly as before, with every cross-rank check and error
+   message it has. Cache evictions the coordinator announces while a rank is still steady wait
+   until it has fallen back. The coordinator answers a message tagged with an older epoch (sent
+   before the sender saw Item.STEADY) with ``(Item.TAKE_BACK, set, names, bits)``: the rank
+   takes those tensors back into whichever mode it is in now. A new Item.STEADY for the set is
+   only sent once every member's Msg.STEADY_LEFT of the previous epoch has arrived.
 5. Stalls and ends. A rank that has waited in a round longer than a report interval sends the
    coordinator ``("W", set, epoch, names, waited_s)`` (and an empty one once released), so the
    stall inspector names the ranks that have not submitted, as before. A rank that shuts down
@@ -131,9 +132,6 @@ import numpy as np
 from .arith import reduce_in_order
 from .fusion import fuse_responses
 from .messages import Response
-from .protocol import Msg
-
-STEADY_MSG = Msg.ROUND
 
 
 def gone_message(gone: list, what: str, reasons: dict | None = None) -> str:
@@ -173,7 +171,7 @@ def payload_sum(parts: dict) -> np.ndarray:
 
 
 def value_to_wire(value: tuple) -> tuple:
-    """A round value as the last fields of its "K" message: ``(bits, flag)``, or with payloads
+    """A round value as the last fields of its Msg.ROUND message: ``(bits, flag)``, or with payloads
     ``(bits, flag, tag, ((set rank, float32 bytes), ...))``. value_from_wire reads it back."""
     if len(value) == 2:
         return value
@@ -181,7 +179,7 @@ def value_to_wire(value: tuple) -> tuple:
 
 
 def value_from_wire(fields: tuple) -> tuple:
-    """The round value a "K" message's last fields carry (value_to_wire)."""
+    """The round value a Msg.ROUND message's last fields carry (value_to_wire)."""
     if len(fields) == 2:
         return fields
     bits, flag, tag, parts = fields
@@ -277,7 +275,8 @@ def set_bits(mask: int):
 
 
 # Past this many bits handed out, the steady state's transport rounds carry only the live ones
-# ("D"'s slots). Below it the rounds carry bits as they are (no mapping on the hot path); 1024
+# (Item.STEADY's slots).
+# Below it the rounds carry bits as they are (no mapping on the hot path); 1024
 # bits are 16 words of a shared-memory agreement or of an MPI round.
 COMPACT_WIDTH = 1024
 
@@ -300,12 +299,12 @@ class TransportRound:
         if slots is not None:
             if tag >= 0:
                 tag = slot_of.get(tag, -1)
-            # Carry bit slots[i] at position i ("D"'s compaction).
+            # Carry bit slots[i] at position i (Item.STEADY's compaction).
             packed = 0
             for bit in set_bits(bits):
                 i = slot_of.get(bit)
                 if i is None:
-                    fallback = True      # not live at "D": cannot happen (see below)
+                    fallback = True      # not live at Item.STEADY: cannot happen (see below)
                 else:
                     packed |= 1 << i
             bits = packed
@@ -360,10 +359,10 @@ class SteadySet:
     deferred: list = field(default_factory=list)     # evictions announced while steady
     inbox: dict = field(default_factory=dict)        # (round, tag) -> value, arrived early
     # Rounds on the transport instead of the control connections (TransportRound): the set's
-    # Agreement, and how many bits its rounds carry (the coordinator's count at "D").
+    # Agreement, and how many bits its rounds carry (the coordinator's count at Item.STEADY).
     agreement: Any = None
     width: int = 0
-    slots: tuple | None = None                       # "D"'s live bits, when it compacted them
+    slots: tuple | None = None                       # Item.STEADY's live bits, if compacted
     slot_of: dict | None = None                      # bit -> its position in slots
     # Members that shut down after finishing the round in flight: what it leaves fails then.
     gone: list | None = None

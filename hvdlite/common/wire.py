@@ -17,6 +17,7 @@ import struct
 import threading
 
 from . import config
+from .protocol import FRAME_TAGS
 
 _HEADER = struct.Struct("!IQ")       # payload length, sequence number
 _MAC_LEN = 32
@@ -58,7 +59,13 @@ class Channel:
         return hmac.new(self.key, header + payload, hashlib.sha256).digest()
 
     def send(self, obj) -> None:
-        """Thread-safe: frames from different threads never interleave."""
+        """Thread-safe: frames from different threads never interleave.
+
+        `obj` is a frame: a tuple whose first item is a kind of protocol.py's schema, so a frame
+        no peer would understand fails here, at its sender, instead of on the other end."""
+        if type(obj) is not tuple or not obj or obj[0] not in FRAME_TAGS:
+            raise ProtocolError(f"refused to send a frame that is not in the protocol schema "
+                                f"(protocol.py): {str(obj)[:80]}")
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         with self._send_lock:
             header = _HEADER.pack(len(payload), self.send_seq)

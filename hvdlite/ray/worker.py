@@ -93,8 +93,5 @@ class HvdliteWorker:
         # it, so its link to the driver must not take the driver's closing for a lost driver.
         from hvdlite.common import rendezvous
 
-        link = rendezvous._link
-        if link is not None:
-            with link._cond:
-                link._reply = ("X", "the worker's function returned")
+        rendezvous.expect_driver_close("the worker's function returned")
         return outcome

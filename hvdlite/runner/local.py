@@ -14,10 +14,11 @@ import os
 import shutil
 import signal
 import subprocess
-from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
 from hvdlite.runner.hosts import is_local_host
+from hvdlite.runner.remote import SSHSpawner
+from hvdlite.runner.ssh_settings import SSHSettings
 
 # spawn(command, env) -> the started process (stdout/stderr piped)
 Spawner = Callable[[Sequence[str], Mapping[str, str]], subprocess.Popen]
@@ -26,14 +27,6 @@ Spawner = Callable[[Sequence[str], Mapping[str, str]], subprocess.Popen]
 class LaunchError(RuntimeError):
     """A job that cannot be started as asked; the message is meant for the user."""
 
-
-@dataclass(frozen=True)
-class SSHSettings:
-    """How to reach remote hosts (horovodrun's -p / -i)."""
-
-    port: Optional[int] = None
-    identity_file: Optional[str] = None
-    connect_timeout: int = 30
 
 
 def spawn_local(command: Sequence[str], env: Mapping[str, str],
@@ -49,8 +42,6 @@ def spawner_for(hostname: str, ssh: Optional[SSHSettings] = None) -> Spawner:
     """How to start a rank on `hostname`: directly when it is this machine, else over ssh."""
     if is_local_host(hostname):
         return spawn_local
-    from hvdlite.runner.remote import SSHSpawner
-
     return SSHSpawner(hostname, ssh or SSHSettings())
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from hvdlite.common.config import raw as env_raw
-from hvdlite.runner.local import SSHSettings
+from hvdlite.runner.ssh_settings import SSHSettings
 
 SSH_ARGS_ENV = "HVDLITE_SSH_ARGS"
 REMOTE_PYTHON_ENV = "HVDLITE_REMOTE_PYTHON"

@@ -11,11 +11,12 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
     raise ImportError("hvdlite.tensorflow needs TensorFlow: pip install 'hvdlite[tensorflow]' "
                       "(or tensorflow / tensorflow-cpu >= 2.16)") from _exc
 
-from ..common.basics import (add_process_set, ccl_built, cross_rank, cross_size, cuda_built,
+from ..common.basics import (ccl_built, cross_rank, cross_size, cuda_built,
                              ddl_built, gloo_built, gloo_enabled, is_homogeneous,
                              is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
-                             mpi_threads_supported, nccl_built, rank, remove_process_set,
-                             rocm_built, size, start_timeline, stop_timeline)
+                             mpi_threads_supported, nccl_built, rank, rocm_built, size,
+                             start_timeline, stop_timeline)
+from ..common.ops import add_process_set, remove_process_set
 from ..common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from ..common.process_sets import ProcessSet, global_process_set
 from . import mpi_ops as _mpi_ops

@@ -27,15 +27,15 @@ class Compression(_c.Compression):
 
     none = NoneCompressor
     fp16 = FP16Compressor
-    # Stateful, with error feedback (see hvdlite.torch.quantize / powersgd). They run on the
+    # Stateful, with error feedback (see hvdlite.common.quantize / powersgd). They run on the
     # engine's torch tensors inside the gradient op, so one implementation serves both
     # frameworks. Class (defaults) or instance, e.g. Compression.powersgd(rank=2).
     int8 = None
     powersgd = None
 
 
-from ..torch.powersgd import PowerSGDCompressor as _PowerSGD  # noqa: E402
-from ..torch.quantize import Int8Compressor as _Int8  # noqa: E402
+from ..common.powersgd import PowerSGDCompressor as _PowerSGD  # noqa: E402
+from ..common.quantize import Int8Compressor as _Int8  # noqa: E402
 
 Compression.int8 = _Int8
 Compression.powersgd = _PowerSGD

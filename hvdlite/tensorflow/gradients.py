@@ -23,6 +23,7 @@ from ..common import naming as _naming
 from ..common import ops as _cops
 from ..common.elastic import may_resize
 from ..common.fusion import group_positions, resolve_groups, split_list
+from ..common.stateful_compression import drive_all
 from . import mpi_ops as _ops
 from .compression import Compression
 from .mpi_ops import Adasum, Average, Max, Min, Product, Sum, global_process_set
@@ -268,7 +269,6 @@ class GradientReducer:
         def fn(*ys):
             if nothing_to_reduce(set_id):
                 return list(ys)
-            from ..torch.stateful_compression import drive_all
             pend = [comp.reduce_async(_ops._to_torch(y), f"{base}.grad_{i}", op=op,
                                       process_set=ps) for y, i in zip(ys, dense)]
             drive_all(pend)

@@ -6,9 +6,9 @@ import torch
 
 from ..common import compression as _c
 from ..common.compression import Compressor, NoneCompressor
-from .powersgd import PowerSGDCompressor
-from .quantize import Int8Compressor
-from .stateful_compression import StatefulCompressor, drive_all, is_stateful
+from ..common.powersgd import PowerSGDCompressor
+from ..common.quantize import Int8Compressor
+from ..common.stateful_compression import StatefulCompressor, drive_all, is_stateful
 
 
 class FP16Compressor(_c.CastCompressor):

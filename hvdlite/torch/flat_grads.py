@@ -47,10 +47,8 @@ import struct
 
 import torch
 
-from ..common import basics as _basics
 from ..common import config as _config
 from ..common import ops as _ops
-from ..common.collectives import host_buffer
 from ..common.messages import MIN
 
 # The agreement's collective: one name for every optimizer of a process set. The agreements of
@@ -126,7 +124,7 @@ class FlatGradients:
     def usable(self) -> bool:
         """At synchronize(): whether this step's members go flat. False after a new engine
         (elastic reset) or a stale layout, which also sends the ranks to agree again."""
-        if self.active and (self._engine is not _basics.engine() or not all(
+        if self.active and (self._engine is not _ops.engine_token() or not all(
                 _fits(p, v, self._addresses[p]) for p, v in self.views.items())):
             self._leave()
         return self.active
@@ -150,7 +148,7 @@ class FlatGradients:
         """Whether the ranks have yet to agree with this engine: after init, after an elastic
         reset (a new engine: the survivors agree again beside the new workers, whether or not
         they took the flat path before), or after a stale layout."""
-        return self._engine is not _basics.engine()
+        return self._engine is not _ops.engine_token()
 
     def agree(self, candidates, wire_names: dict, process_set) -> None:
         """Step 1 of the module docstring, at the end of a per-parameter synchronize(): every
@@ -172,7 +170,7 @@ class FlatGradients:
             # A joined rank took part with zeros and has yet to agree itself: agree again at
             # the next step, which every rank takes together once the join is over.
             return
-        self._engine = _basics.engine()
+        self._engine = _ops.engine_token()
         same_layout = int(votes[1]) == -int(votes[2]) and int(votes[3]) == -int(votes[4])
         if int(votes[0]) == 1 and same_layout:
             self._build(members, wire_names, digest.hex())
@@ -189,7 +187,7 @@ class FlatGradients:
         for dtype, ps in by_dtype.items():
             numel = sum(p.numel() for p in ps)
             itemsize = torch.empty((), dtype=dtype).element_size()
-            flat = host_buffer(numel * itemsize)[:numel * itemsize].view(dtype)
+            flat = _ops.flat_buffer(numel * itemsize)[:numel * itemsize].view(dtype)
             offset = 0
             for p in ps:
                 view = flat[offset:offset + p.numel()].view_as(p)

@@ -19,7 +19,13 @@ from ..common import ops as _ops
 from ..common.elastic import may_resize
 from ..common.fusion import resolve_groups, split_list
 from .compression import Compression, NoneCompressor, drive_all, is_stateful
+from . import zero as _zero
 from .flat_grads import FlatGradients
+from .fsdp.api import refuse_distributed_optimizer
+from .functions import broadcast_object
+from .parameters import find_duplicates
+from .parameters import named_parameters as _named_parameters
+from .parameters import remove_hooks as _remove_hooks
 from .mpi_ops import (Adasum, Average, Sum, _allreduce_batch_async, allreduce_async_,
                       global_process_set, grouped_allreduce_async_, sparse_allreduce_async,
                       synchronize)
@@ -31,41 +37,6 @@ _DEFERRED = object()
 # The id of the backward pass running on this thread (torch >= 2.1; None: gradients are never
 # deferred).
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
-
-
-def _remove_hooks(handles) -> None:
-    for h in handles:
-        h.remove()
-
-
-def _named_parameters(param_groups, named_parameters):
-    """Validated (name, parameter) pairs sorted by name, and the prefix of their wire names.
-
-    Wire names are Horovod's: "allreduce.<name>" for user-named parameters (Horovod's C++ side
-    prefixed the op type); the default names already read "allreduce.noname.<g>.<i>".
-    """
-    if named_parameters is not None:
-        named_parameters = list(named_parameters)
-        wire_prefix = "allreduce."
-    else:
-        named_parameters = [(f"allreduce.noname.{i}.{j}", v)
-                            for i, param_group in enumerate(param_groups)
-                            for j, v in enumerate(param_group["params"])]
-        wire_prefix = ""
-    if any(not isinstance(p, tuple) for p in named_parameters):
-        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
-                         "usually produced by model.named_parameters().")
-    dups = _DistributedOptimizer.find_duplicates([k for k, _ in named_parameters])
-    if len(dups) > 0:
-        raise ValueError("Parameter names in named_parameters must be unique. "
-                         f"Found duplicates: {', '.join(sorted(dups))}")
-    all_param_ids = {id(v) for param_group in param_groups for v in param_group["params"]}
-    unnamed_param_ids = all_param_ids - {id(v) for _, v in named_parameters}
-    if len(unnamed_param_ids):
-        raise ValueError("named_parameters was specified, but one or more model parameters "
-                         "were not named. Python object ids: "
-                         + ", ".join(str(i) for i in unnamed_param_ids))
-    return sorted(named_parameters, key=lambda kv: kv[0]), wire_prefix
 
 
 class _HookedOptimizer(torch.optim.Optimizer):
@@ -256,15 +227,7 @@ class _DistributedOptimizer(_HookedOptimizer):
         self._synchronized = False
         self._should_synchronize = True
 
-    @staticmethod
-    def find_duplicates(lst):
-        seen = set()
-        dups = set()
-        for el in lst:
-            if el in seen:
-                dups.add(el)
-            seen.add(el)
-        return dups
+    find_duplicates = staticmethod(find_duplicates)
 
     def _register_hooks(self):
         if self._groups is not None:
@@ -272,7 +235,6 @@ class _DistributedOptimizer(_HookedOptimizer):
                       if p.requires_grad]
             # Every rank forms the groups in the parameter order of the set's first rank
             # (Horovod used global rank 0, which is not a member of every process set).
-            from .functions import broadcast_object
             root = self.process_set.ranks[0] if self.process_set.ranks else 0
             p_list_names = [self._parameter_names.get(p) for p in p_list]
             p_list_names = broadcast_object(p_list_names, root_rank=root,
@@ -622,8 +584,6 @@ def DistributedOptimizer(optimizer, named_parameters=None,
         compression (hvdlite additions): `Compression.int8` (8-bit with error feedback) and
             `Compression.powersgd(rank=r)` (low rank with error feedback), class or instance.
     """
-    from . import zero as _zero
-    from .fsdp.api import refuse_distributed_optimizer
     refuse_distributed_optimizer(optimizer)     # fully_shard's gradients are reduced already
     zero_stage = _zero.check_zero_stage(zero_stage)
     if isinstance(compression, type) and is_stateful(compression):

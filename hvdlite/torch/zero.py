@@ -26,11 +26,14 @@ import weakref
 from contextlib import contextmanager
 from typing import Any
 
-from ..common import config
+from ..common import basics, config
 
 import torch
 
 from .compression import drive_all, is_stateful
+from .functions import allgather_object
+from .parameters import named_parameters as named_parameters_of
+from .parameters import remove_hooks
 from .mpi_ops import (Average, Max, Sum, allgather_async, allreduce_async_, global_process_set,
                       reducescatter_async, synchronize)
 
@@ -53,7 +56,6 @@ def _bucket_bytes() -> int:
 
 
 def _set_size_rank(process_set) -> tuple[int, int]:
-    from ..common import basics
     if process_set is None or process_set.process_set_id == 0:
         return basics.size(), basics.rank()
     return process_set.size(), process_set.rank()
@@ -120,8 +122,7 @@ class ZeroOptimizer:
         self._hvd_base.__init__(self, params)
         if defaults is not None:
             self.defaults = dict(defaults)
-        from .optimizer import _named_parameters
-        named_sorted, wire_prefix = _named_parameters(self.param_groups, named_parameters)
+        named_sorted, wire_prefix = named_parameters_of(self.param_groups, named_parameters)
         if op not in (Average, Sum):
             raise ValueError("zero_stage 1 and 2 support op=hvd.Average or hvd.Sum")
         if isinstance(compression, type) and is_stateful(compression):
@@ -150,8 +151,7 @@ class ZeroOptimizer:
                 if p.requires_grad:
                     self._grad_accs.append(p.register_post_accumulate_grad_hook(
                         self._make_hook(p)))
-        from .optimizer import _remove_hooks
-        weakref.finalize(self, _remove_hooks, list(self._grad_accs))
+        weakref.finalize(self, remove_hooks, list(self._grad_accs))
         self._hvd_zero_ready = True
 
     # ------------------------------------------------------------------ sharding
@@ -431,7 +431,6 @@ class ZeroOptimizer:
 
         A collective: every rank of the process set must call it (as checkpointing and
         `hvd.elastic.TorchState.commit()` do); each contributes its shard."""
-        from .functions import allgather_object
         local = self._hvd_base.state_dict(self)
         if self._size == 1:
             return local

@@ -97,16 +97,16 @@ def long_spin():
 
 @contextlib.contextmanager
 def engine_windows(**values):
-    """Set the engine's module-level windows (BLOCKING_POLL_S, DRIVE_WAIT_S) for a check, and
+    """Set the engine's module-level windows (engine/windows.py: BLOCKING_POLL_S, DRIVE_WAIT_S) for a check, and
     restore them after it."""
-    saved = {name: getattr(engine, name) for name in values}
+    saved = {name: getattr(engine.windows, name) for name in values}
     for name, value in values.items():
-        setattr(engine, name, value)
+        setattr(engine.windows, name, value)
     try:
         yield
     finally:
         for name, value in saved.items():
-            setattr(engine, name, value)
+            setattr(engine.windows, name, value)
 
 
 def sync_step(k: int) -> None:
@@ -225,7 +225,7 @@ def large():
     def step(k: int) -> None:         # inputs ready: the ranks arrive together
         # The caller polls its transfer itself (k < 67), or hands it to the finisher thread at
         # once (a window of 0: the path a transfer longer than BLOCKING_POLL_S takes).
-        with engine_windows(BLOCKING_POLL_S=engine.BLOCKING_POLL_S if k < 67 else 0.0):
+        with engine_windows(BLOCKING_POLL_S=engine.windows.BLOCKING_POLL_S if k < 67 else 0.0):
             got[k] = hvd.allreduce(xs[k], name="r.large", op=hvd.Sum)
 
     with long_spin():
@@ -328,7 +328,7 @@ def mid():
     blocking caller still polls it to the end (engine.BLOCKING_POLL_S covers a blocking call of
     any size), with no hand-off to the finisher thread. On gloo the shared-memory channel runs
     it on the caller's thread (its own window is kept long)."""
-    n = engine.INLINE_POLL_BYTES // 4
+    n = engine.windows.INLINE_POLL_BYTES // 4
     xs = {k: gen(rank, (n,), torch.float32, salt=("M", k)) for k in range(70, 80)}
     want = {k: sum(gen(r, (n,), torch.float32, salt=("M", k)) for r in range(size)) for k in xs}
     got = {}
@@ -679,8 +679,9 @@ def interrupted():
     same names right, with no hang and no name left taken. On the code before, the job hung at
     the next call in each case."""
     from hvdlite.common import steady
-    advance, poll = steady.TransportRound.advance, engine.Engine.__dict__["_poll_inline"]
-    wait_signal = engine.Handle._wait_signal
+    advance = steady.TransportRound.advance
+    poll = engine.execution.Execution.__dict__["_poll_inline"]
+    wait_signal = engine.Completion._wait_signal
     armed = {}
 
     def interrupting(where):
@@ -724,7 +725,7 @@ def interrupted():
 
     steady.TransportRound.advance = advancing
     engine.Engine._poll_inline = staticmethod(polling)
-    engine.Handle._wait_signal = waiting
+    engine.Completion._wait_signal = waiting
     try:
         for how in ("one", "grouped", "async", "big", "broadcast", "wait"):
             where = {"big": "transfer", "broadcast": "transfer", "wait": "wait"}.get(how, "round")
@@ -744,7 +745,7 @@ def interrupted():
                     # the caller's window: 2 s here, so that a descheduled peer still makes it.)
                     with long_spin() if where == "transfer" else contextlib.nullcontext(), \
                             engine_windows(BLOCKING_POLL_S=2.0 if where == "transfer" else
-                                           engine.BLOCKING_POLL_S):
+                                           engine.windows.BLOCKING_POLL_S):
                         call()
                 except KeyboardInterrupt:
                     if not interrupt:
@@ -768,7 +769,7 @@ def interrupted():
     finally:
         steady.TransportRound.advance = advance
         engine.Engine._poll_inline = poll
-        engine.Handle._wait_signal = wait_signal
+        engine.Completion._wait_signal = wait_signal
 
 
 check("inline", inline)

@@ -14,14 +14,17 @@ import torch.distributed as dist
 
 from ..messages import MAX, MIN, PRODUCT, SUM
 from . import shm
+from .base import PollableWork, Work
 
 _OPS = {SUM: dist.ReduceOp.SUM, MIN: dist.ReduceOp.MIN, MAX: dist.ReduceOp.MAX,
         PRODUCT: dist.ReduceOp.PRODUCT}
+# torch's works offer is_completed(): the engine may poll gloo's (base.PollableWork).
+PollableWork.register(dist.Work)
 # Gloo has no int16 kernels: reduce those in int32 (wrap-around is the same once cast back).
 _WIDEN = {torch.int16: torch.int32}
 
 
-class _Widened:
+class _Widened(Work):
     """A pending int16 reduction done in int32: copies back once the transport finishes."""
 
     def __init__(self, work, wide: torch.Tensor, out: torch.Tensor):

@@ -18,8 +18,10 @@ from .. import config
 from ..threads import local_ranks as _local_ranks, usable_cores
 from ..messages import MAX, MIN, PRODUCT, SUM
 from ..protocol import INLINE_FLOATS
+from ..rendezvous import Identity
 from ..steady import set_bits
 from . import shm
+from .base import Agreement as _AgreementBase, PollableWork
 
 # mpi4py.MPI, loaded by `_load()` on first need. Importing it initializes MPI, which a gloo job
 # never needs: it cost every rank ~70 ms at start (a singleton MPI_Init; with Open MPI a
@@ -173,7 +175,7 @@ class _Waiter:
             f"if the ranks are only slow")
 
 
-class _Request:
+class _Request(PollableWork):
     """A pending MPI request; optionally copies a widened result back."""
 
     __slots__ = ("req", "what", "waiter", "wide", "out")
@@ -195,7 +197,7 @@ def _array(t: torch.Tensor):
     return t.numpy()
 
 
-class _Sequence:
+class _Sequence(PollableWork):
     """In-place allreduces of several tensors on one communicator, each launched as the one
     before it completes: one piece of work for the engine (MPICommunicator.allreduce_sequence),
     whose first call starts at its first test() or wait(), so the caller may fill the tensors
@@ -249,7 +251,7 @@ def _free(comm) -> None:
             pass
 
 
-class Agreement:
+class Agreement(_AgreementBase):
     """The steady state's rounds (steady.py) as one small MPI allreduce each, which can also
     carry the data of the small float32 allreduces it releases (the round's payload).
 
@@ -660,7 +662,6 @@ def world(comm=None):
 
 
 def identity(comm):
-    from ..rendezvous import Identity
     hostname = (config.raw("HVDLITE_HOSTNAME") or config.raw("HOROVOD_HOSTNAME")
                 or socket.gethostname())
     return Identity(comm.Get_rank(), comm.Get_size(), None, None, False, "MPI", hostname)

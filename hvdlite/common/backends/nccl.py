@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..messages import MAX, MIN, PRODUCT, SUM
+from .base import Communicator, Work
 
 _WIDEN = {torch.int16: torch.int32, torch.bool: torch.uint8}
 
@@ -59,7 +60,7 @@ def shared_gpus(store, prefix: str, rank: int, size: int, device: int) -> list[l
     return [rs for rs in groups.values() if len(rs) > 1]
 
 
-class _Synced:
+class _Synced(Work):
     """Order the stream that launched the call after NCCL's (and a widened result's copy back
     after that); the host is not blocked here but once per collective, in
     `collectives.gpu_done`."""
@@ -78,7 +79,7 @@ class _Synced:
                 self.out.copy_(self.wide)
 
 
-class NCCLCommunicator:
+class NCCLCommunicator(Communicator):
     """One process set's NCCL communicator on this rank's GPU. `device` names that GPU
     ("cuda:N"), so fusion buffers and outputs are made there whichever device is current in the
     engine's threads."""

@@ -49,7 +49,7 @@ def ensure_process_sets(rank_lists: Sequence[Sequence[int]], purpose: str) -> li
                 f"(or set HOROVOD_DYNAMIC_PROCESS_SETS=1), or register them at init with "
                 f"hvd.init(process_sets=[hvd.ProcessSet(r) for r in "
                 f"hvdlite.torch.parallel.mesh_groups(...)['all']]).")
-        from ...common.basics import add_process_set
+        from ...common.ops import add_process_set
         for ranks in missing:
             add_process_set(ProcessSet(ranks))
     return [find_process_set(ranks) for ranks in wanted]

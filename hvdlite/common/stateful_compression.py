@@ -1,4 +1,4 @@
-"""Compressors that keep per-tensor state and run their own collectives (torch).
+"""Compressors that keep per-tensor state and run their own collectives (every frontend).
 
 Horovod's `Compressor` is a pair of static methods around one allreduce: right for a cast
 (fp16), wrong for the compressors that matter for bandwidth:
@@ -10,14 +10,53 @@ tensor's wire name, which is identical on every rank and stable from step to ste
 
 So a stateful compressor is an *instance* (one per optimizer, created from the class if the
 class is passed) with `reduce_async(tensor, name, op, process_set) -> PendingReduce`. The
-`PendingReduce` wraps a generator that yields engine handles; `drive_all` advances many of them
+`PendingReduce` wraps a generator that yields stages (one collective of the op layer each:
+allreduce_stage, allgather_stage, alltoall_stage); `drive_all` advances many of them
 together, so the second stage of every tensor is submitted before any of them is waited on and
 the engine can fuse them. `compress`/`decompress` stay for API symmetry: `decompress` is the
 identity (the result is already decompressed), `compress` refuses with a clear error.
 """
 from __future__ import annotations
 
-from typing import Any, Generator, Iterable
+from typing import Any, Callable, Generator, Iterable
+
+import torch
+
+from . import basics, ops
+from .messages import AVERAGE, SUM
+from .process_sets import global_process_set
+
+
+class Stage:
+    """One collective of a multi-stage reduction: the op layer's handle and what its result
+    becomes (the one output of a single-tensor call)."""
+
+    __slots__ = ("handle", "post")
+
+    def __init__(self, handle: ops.Handle, post: Callable) -> None:
+        self.handle, self.post = handle, post
+
+    def wait(self):
+        return self.post(self.handle.wait())
+
+
+def _single(result):
+    return result[0]
+
+
+def allreduce_stage(tensor, name: str, op: int, process_set) -> Stage:
+    """`tensor` (contiguous, no autograd) reduced in place."""
+    return Stage(ops.allreduce([tensor], names=name, op=op, process_set=process_set,
+                               outputs=[tensor]), _single)
+
+
+def allgather_stage(tensor, name: str, process_set) -> Stage:
+    return Stage(ops.allgather([tensor], names=name, process_set=process_set), _single)
+
+
+def alltoall_stage(tensor, name: str, process_set) -> Stage:
+    """Equal parts to every rank; the result is (output, received splits)."""
+    return Stage(ops.alltoall(tensor, None, names=name, process_set=process_set), tuple)
 
 
 class PendingReduce:
@@ -42,8 +81,7 @@ class PendingReduce:
         """Wait for the current stage and submit the next one."""
         if self.done:
             return
-        from .mpi_ops import synchronize
-        self._send(synchronize(self._handle))
+        self._send(self._handle.wait())
 
     def result(self):
         while not self.done:
@@ -80,16 +118,14 @@ class StatefulCompressor:
     def reduce_async(self, tensor, name: str, op=None, process_set=None) -> PendingReduce:
         """Start reducing `tensor` (Average or Sum over `process_set`); returns a handle whose
         `result()` is the reduced, decompressed tensor (a new tensor, same shape and dtype)."""
-        from .mpi_ops import Average, Sum, global_process_set
-        op = Average if op is None else op
-        if op not in (Average, Sum):
+        op = AVERAGE if op is None else op
+        if op not in (AVERAGE, SUM):
             raise ValueError(f"{type(self).__name__} supports op=Average or Sum, not {op}")
         self._check_dtype(tensor, name)
-        return PendingReduce(self._reduce(tensor, name, op == Average,
+        return PendingReduce(self._reduce(tensor, name, op == AVERAGE,
                                           process_set or global_process_set))
 
     def _check_dtype(self, tensor, name: str) -> None:
-        import torch
         if tensor.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             raise TypeError(f"{type(self).__name__} cannot compress tensor '{name}' of dtype "
                             f"{tensor.dtype}: it handles floating-point tensors only. Use "
@@ -117,8 +153,8 @@ class StatefulCompressor:
         self.state = {k: dict(v) for k, v in sd.get("state", {}).items()}
 
 
-def _set_size(process_set) -> int:
-    from ..common import basics
+def set_size(process_set) -> int:
+    """How many ranks reduce: the job's for the global set, else the set's."""
     if process_set is None or process_set.process_set_id == 0:
         return basics.size()
     return process_set.size()
@@ -129,5 +165,5 @@ def ring_allreduce_bytes(nbytes: int, n: int) -> float:
     return 2.0 * (n - 1) / n * nbytes if n > 1 else 0.0
 
 
-__all__ = ["PendingReduce", "StatefulCompressor", "drive_all", "is_stateful",
-           "ring_allreduce_bytes"]
+__all__ = ["PendingReduce", "Stage", "StatefulCompressor", "allgather_stage", "allreduce_stage",
+           "alltoall_stage", "drive_all", "is_stateful", "ring_allreduce_bytes", "set_size"]

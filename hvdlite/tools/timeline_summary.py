@@ -27,6 +27,8 @@ import math
 import sys
 from dataclasses import dataclass, field
 
+from ..common.flight_report import build_report, load_dumps
+
 PHASES = ("negotiation", "queue", "memcpy_in", "transport", "memcpy_out")
 ITEMSIZE = {"uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2,
             "bfloat16": 2, "float32": 4, "float64": 8, "bool": 1}
@@ -348,8 +350,6 @@ def main(argv: list[str] | None = None) -> int:
                              "(flight.rank*.json, written on a stall, SIGUSR1 or Ctrl-C)")
     args = parser.parse_args(argv)
     if args.flight:
-        from hvdlite.runner.hang_report import build_report, load_dumps
-
         if args.json:
             print(json.dumps(load_dumps(args.flight), indent=2, default=str))
             return 0

@@ -1,4 +1,4 @@
-"""8-bit gradient quantisation with error feedback (Bagua's ByteGrad), for torch.
+"""8-bit gradient quantisation with error feedback (Bagua's ByteGrad), for every frontend.
 
 Each rank adds its residual to the gradient, splits it into one chunk per rank, quantises every
 block of `block` elements to int8 with its own float32 scale (max|x|/127), and keeps what the
@@ -17,7 +17,8 @@ from typing import Generator
 
 import torch
 
-from .stateful_compression import StatefulCompressor, _set_size
+from .stateful_compression import (StatefulCompressor, allgather_stage, alltoall_stage,
+                                   set_size)
 
 
 def _quantise(x: torch.Tensor):
@@ -53,8 +54,7 @@ class Int8Compressor(StatefulCompressor):
         self.block = int(block)
 
     def _reduce(self, tensor, name: str, average: bool, process_set) -> Generator:
-        from .mpi_ops import allgather_async, alltoall_async
-        n = _set_size(process_set)
+        n = set_size(process_set)
         shape, dtype = tensor.shape, tensor.dtype
         x = tensor.detach().reshape(-1).to(torch.float32)
         length = x.numel()
@@ -72,8 +72,7 @@ class Int8Compressor(StatefulCompressor):
         st["residual"] = (xp - deq.reshape(-1))[:length].clone()
         payload = _pack(q, scale)
         self.wire_bytes += payload.numel() * (n - 1) / n
-        recv, _ = yield alltoall_async(payload, name=f"{name}.int8.a2a",
-                                       process_set=process_set)
+        recv, _ = yield alltoall_stage(payload, f"{name}.int8.a2a", process_set)
         y = _unpack(recv, nb, block).sum(dim=0)
         if average:
             y /= n
@@ -84,8 +83,7 @@ class Int8Compressor(StatefulCompressor):
         st["residual_chunk"] = (y - deq2[0]).clone()
         payload2 = _pack(q2, s2)
         self.wire_bytes += payload2.numel() * (n - 1)
-        gathered = yield allgather_async(payload2, name=f"{name}.int8.ag",
-                                         process_set=process_set)
+        gathered = yield allgather_stage(payload2, f"{name}.int8.ag", process_set)
         out = _unpack(gathered, nb, block).reshape(-1)[:length]
         return out.reshape(shape).to(dtype)
 

@@ -4,7 +4,7 @@ This is where a mismatch becomes a clear message instead of a hang or silent cor
 """
 from __future__ import annotations
 
-from .messages import (ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, ERROR,
+from ..messages import (ADD_PROCESS_SET, ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, ERROR,
                        REDUCE_OP_NAMES, REDUCING_TYPES, REMOVE_PROCESS_SET, TYPE_NAMES, Request,
                        Response)
 

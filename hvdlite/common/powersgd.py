@@ -1,4 +1,4 @@
-"""PowerSGD (Vogels et al., 2019) with error feedback and warm start, for torch.
+"""PowerSGD (Vogels et al., 2019) with error feedback and warm start (every frontend).
 
 A gradient of shape (n, ...) is seen as an n x m matrix M (plus this rank's residual). With the
 previous step's Q (m x r; warm start), P = M Q is averaged over the ranks and orthonormalised,
@@ -15,7 +15,9 @@ from typing import Generator
 
 import torch
 
-from .stateful_compression import StatefulCompressor, _set_size, ring_allreduce_bytes
+from .messages import AVERAGE, SUM
+from .stateful_compression import (StatefulCompressor, allreduce_stage, ring_allreduce_bytes,
+                                   set_size)
 
 
 class PowerSGDCompressor(StatefulCompressor):
@@ -29,16 +31,14 @@ class PowerSGDCompressor(StatefulCompressor):
         self.warmup_steps = int(warmup_steps)
 
     def _plain(self, tensor, name, average, process_set, n):
-        from .mpi_ops import Average, Sum, allreduce_async_
         out = tensor.detach().clone()
         self.wire_bytes += ring_allreduce_bytes(out.numel() * out.element_size(), n)
-        yield allreduce_async_(out, name=f"{name}.psgd.full", op=Average if average else Sum,
-                               process_set=process_set)
+        yield allreduce_stage(out, f"{name}.psgd.full", AVERAGE if average else SUM,
+                              process_set)
         return out
 
     def _reduce(self, tensor, name: str, average: bool, process_set) -> Generator:
-        from .mpi_ops import Average, Sum, allreduce_async_
-        n = _set_size(process_set)
+        n = set_size(process_set)
         st = self.state.setdefault(name, {"steps": 0})
         st["steps"] += 1
         rows = tensor.shape[0] if tensor.dim() >= 2 else 1
@@ -47,7 +47,7 @@ class PowerSGDCompressor(StatefulCompressor):
         if (tensor.dim() < 2 or r * (rows + cols) >= rows * cols
                 or st["steps"] <= self.warmup_steps):
             return (yield from self._plain(tensor, name, average, process_set, n))
-        op = Average if average else Sum
+        op = AVERAGE if average else SUM
         wdtype = torch.float64 if tensor.dtype == torch.float64 else torch.float32
         m = tensor.detach().reshape(rows, cols).to(wdtype)
         err = st.get("error")
@@ -59,11 +59,11 @@ class PowerSGDCompressor(StatefulCompressor):
             q = torch.randn(cols, r, generator=g, dtype=wdtype).to(m.device)
         p = m @ q
         self.wire_bytes += ring_allreduce_bytes(p.numel() * p.element_size(), n)
-        yield allreduce_async_(p, name=f"{name}.psgd.p", op=op, process_set=process_set)
+        yield allreduce_stage(p, f"{name}.psgd.p", op, process_set)
         p = torch.linalg.qr(p).Q
         q = m.t() @ p
         self.wire_bytes += ring_allreduce_bytes(q.numel() * q.element_size(), n)
-        yield allreduce_async_(q, name=f"{name}.psgd.q", op=op, process_set=process_set)
+        yield allreduce_stage(q, f"{name}.psgd.q", op, process_set)
         approx = p @ q.t()
         # Residual: what this rank's matrix has that the shared approximation does not. For Sum
         # the approximation is of the sum, so compare against this rank's share of it.
