@@ -21,9 +21,16 @@ tells every running worker, with a serial number and added/removed flags; the wo
 at their next `state.commit()` and join the next round. Workers whose slot is no longer wanted
 are told to leave when they ask to join, and exit with status 0.
 
-Failures. A worker that exits non-zero (or is killed) gets its host blacklisted (for the cooldown
-of `--blacklist-cooldown-range`, else for good); its peers see `HorovodInternalError`, roll back
-and join the next round without that host. The job stops with a message and a non-zero exit when
+Failures. A worker that exits non-zero, is killed, hangs or does not start costs its own slot:
+the slot is blacklisted (for the cooldown of `--blacklist-cooldown-range`, else for good) while
+other workers of its host still run, because they hold the last commit and one crashing process
+(an OOM, a bad library on one GPU) says nothing about its host-mates. The whole host is
+blacklisted only when the host itself is gone: unreachable (ssh failed), or every worker on it
+failed. The peers see `HorovodInternalError`, roll back and join the next round without it.
+A re-formed round always holds the last commit: it has a member of an earlier round, or its
+workers said they resume from a checkpoint; otherwise the job stops with one line saying so
+rather than silently training again from step 0.
+The job stops with a message and a non-zero exit when
 the reset limit is exceeded, when fewer than `--min-np` slots stay available for
 `--elastic-timeout` seconds, when the discovery script fails on its first run, or when every
 worker has failed. It succeeds when the workers of the last round finish with status 0.
@@ -134,7 +141,10 @@ class ElasticDriver:
         self.server: Optional[ControlServer] = None
         self.available: "OrderedDict[str, int]" = OrderedDict()
         self.host_order: list[str] = []
-        self.blacklist = Blacklist(spec.cooldown_range)
+        self.blacklist = Blacklist(spec.cooldown_range)         # hosts that are gone
+        self.slot_blacklist = Blacklist(spec.cooldown_range)    # slots ("host:slot") that failed
+        # The newest complete checkpoint a worker reported: (commit count, path), or None.
+        self.checkpoint: Optional[tuple[int, str]] = None
         self.workers: dict[str, _Worker] = {}
         self.retired: list[_Worker] = []      # earlier processes of a respawned slot
         self.round = 0
@@ -347,16 +357,21 @@ class ElasticDriver:
     def _evict_named(self, reporter: _Worker, round_: Any, ranks: Any) -> None:
         """A survivor's coordinator found these ranks of `round_` hung (stalled past the stall
         shutdown time)."""
-        for r in ranks:
-            for w in list(self.workers.values()):
-                if w.round == round_ and w.rank == r and w.alive and w.status == "running":
-                    self._evict_hung(w, f"rank {r} made no progress for the stall shutdown time "
-                                        f"({self.hang_limit_s:.0f} s), as its peers' "
-                                        f"coordinator reported")
+        named = [w for r in ranks for w in list(self.workers.values())
+                 if w.round == round_ and w.rank == r and w.alive and w.status == "running"]
+        for w in named:
+            # Named together (a partitioned host's ranks all are): none of them counts as a
+            # host-mate that still answers, so such a host is blacklisted as a whole.
+            w.failed = True
+        for w in named:
+            self._evict_hung(w, f"rank {w.rank} made no progress for the stall shutdown time "
+                                f"({self.hang_limit_s:.0f} s), as its peers' coordinator "
+                                f"reported")
 
     def _evict_hung(self, w: _Worker, why: str) -> None:
         """End a hung worker as a failed one: SIGKILL (a stopped process ignores SIGTERM),
-        blacklist its host with the cooldown, and let the others re-form without it."""
+        blacklist its slot (its host, if nothing else runs there) with the cooldown, and let the
+        others re-form without it."""
         if w.status == "removed" or not w.alive:
             return
         text = f"{w.describe()} hung: {why}"
@@ -365,10 +380,7 @@ class ElasticDriver:
         self.failed_since_round = True
         if self.first_failure_code is None:
             self.first_failure_code = 1
-        delay = self.blacklist.add(w.host)
-        how_long = "for the rest of the job" if delay is None else f"for {delay:.0f} s"
-        self._say(f"elastic: {text}; killing it (SIGKILL) and blacklisting host {w.host} "
-                  f"{how_long}")
+        self._say(f"elastic: {text}; killing it (SIGKILL) and {self._blacklist_failed(w)}")
         w.status = "removed"
         kill(w.proc)
         self._abort_round(w, text)
@@ -430,10 +442,28 @@ class ElasticDriver:
         if self.finishing:
             self._say(f"elastic: {text}")
             return
-        delay = self.blacklist.add(w.host)
-        how_long = "for the rest of the job" if delay is None else f"for {delay:.0f} s"
-        self._say(f"elastic: {text}; blacklisting host {w.host} {how_long}")
+        unreachable = remote and code == 255   # ssh itself failed: the host is gone
+        self._say(f"elastic: {text}; {self._blacklist_failed(w, unreachable)}")
         self._abort_round(w, text)
+
+    def _blacklist_failed(self, w: _Worker, unreachable: bool = False) -> str:
+        """Blacklist what a failed worker says is broken, and say what that was.
+
+        Its slot, while another worker of its host still runs: those host-mates hold the last
+        commit, and dismissing them with the host would lose every committed step. Its host,
+        when the host is unreachable or no worker on it is left (every one failed or exited).
+        """
+        mates = [o for o in self.workers.values()
+                 if o is not w and o.host == w.host and o.alive and not o.failed
+                 and not o.done.is_set() and o.status != "removed"]
+        if unreachable or not mates:
+            if self.blacklist.is_blacklisted(w.host):
+                return f"host {w.host} is blacklisted already"
+            what, delay = f"host {w.host}", self.blacklist.add(w.host)
+        else:
+            what, delay = f"slot {w.wid}", self.slot_blacklist.add(w.wid)
+        how_long = "for the rest of the job" if delay is None else f"for {delay:.0f} s"
+        return f"blacklisting {what} {how_long}"
 
     # ------------------------------------------------------------------ decisions
     def _advance(self) -> None:
@@ -441,6 +471,8 @@ class ElasticDriver:
         now = time.monotonic()
         for host in self.blacklist.expired(now):
             self._say(f"elastic: host {host} is back after its blacklist cooldown")
+        for wid in self.slot_blacklist.expired(now):
+            self._say(f"elastic: slot {wid} is back after its blacklist cooldown")
         if self.finishing:
             self._finish()
             return
@@ -467,7 +499,8 @@ class ElasticDriver:
         # Too few slots (whatever the workers are doing): wait for more, --elastic-timeout long.
         needed = self.spec.num_proc if self.round == 0 else self.spec.min_np
         if len(target) < needed:
-            if getattr(self.spec.discovery, "fixed", False) and not self.blacklist.returns():
+            if getattr(self.spec.discovery, "fixed", False) and not self.blacklist.returns() \
+                    and not self.slot_blacklist.returns():
                 # A fixed host list gains no slots, and no blacklisted host comes back: waiting
                 # --elastic-timeout (600 s) cannot help.
                 self._stop(f"elastic: only {len(target)} slots left but {needed} needed "
@@ -505,6 +538,10 @@ class ElasticDriver:
         members = [w for w in waiting if w.wid in target]
         if len(members) < needed or not members:
             return
+        if self.round > 0 and not any(w.round is not None for w in members) \
+                and self.checkpoint is None:
+            self._stop(self._state_lost_text(), EXIT_STOPPED)
+            return
         if self.round > 0:
             limit = self.spec.reset_limit
             if limit is not None and self.resets >= limit:
@@ -525,6 +562,13 @@ class ElasticDriver:
             group = [self.workers[wid] for wid in self.plan if wid in self.workers]
         return bool(group) and all(w.failed for w in group)
 
+    def _state_lost_text(self) -> str:
+        """Why a round with only fresh workers may not form: they would train from step 0."""
+        held = [wid for wid in self.plan]
+        return (f"elastic: no worker left holds the last commit (round {self.round}'s workers "
+                f"{', '.join(held)} are gone) and no checkpoint was saved; stopping instead of "
+                f"restarting from step 0 (give the state a checkpoint_dir to resume from disk)")
+
     def _needed_flag(self) -> str:
         return f"-np {self.spec.num_proc}" if self.round == 0 else f"--min-np {self.spec.min_np}"
 
@@ -541,14 +585,15 @@ class ElasticDriver:
         kept = []
         for wid, _ in sorted(self.plan.items(), key=lambda kv: kv[1]["rank"]):
             host, slot = self._split(wid)
-            if host in slots and slot < slots[host]:
+            if host in slots and slot < slots[host] \
+                    and not self.slot_blacklist.is_blacklisted(wid, now):
                 kept.append(wid)
         target = list(kept)
         taken = set(kept)
         for h in usable:
             for i in range(slots[h]):
                 wid = f"{h}:{i}"
-                if wid not in taken:
+                if wid not in taken and not self.slot_blacklist.is_blacklisted(wid, now):
                     target.append(wid)
                     taken.add(wid)
         if self.spec.max_np is not None:
@@ -686,9 +731,7 @@ class ElasticDriver:
         w.failed = True
         if self.first_failure_code is None:
             self.first_failure_code = 1
-        delay = self.blacklist.add(w.host)
-        how_long = "for the rest of the job" if delay is None else f"for {delay:.0f} s"
-        self._say(f"elastic: {text}; stopping it and blacklisting host {w.host} {how_long}")
+        self._say(f"elastic: {text}; stopping it and {self._blacklist_failed(w)}")
         w.status = "removed"
         kill(w.proc)
 
@@ -758,6 +801,10 @@ class ElasticDriver:
         parts = []
         for h, n in self.available.items():
             mark = " (blacklisted)" if self.blacklist.is_blacklisted(h, now) else ""
+            out = [f"{h}:{i}" for i in range(n)
+                   if self.slot_blacklist.is_blacklisted(f"{h}:{i}", now)]
+            if out and not mark:
+                mark = f" (slot{'s' if len(out) > 1 else ''} {', '.join(out)} blacklisted)"
             parts.append(f"{h}:{n}{mark}")
         return ", ".join(parts) or "(none)"
 

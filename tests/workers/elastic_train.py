@@ -21,6 +21,9 @@ Environment (all optional):
   ELASTIC_EXIT_IN_INIT  this worker ("host:slot") dies inside its first hvd.init(), once
   ELASTIC_ZERO_STAGE    DistributedOptimizer(zero_stage=...) (0); with 1 or 2 the RESULT also
                         holds the consolidated momentum buffers ("momentum")
+  ELASTIC_STEP_LOG      rank 0 appends "run <step>" before each step and "commit <steps>" after
+                        each commit to this file, so a test can count the committed steps a
+                        failure made the job run again (`steps_lost`)
   ELASTIC_ONE_CORE      1: each worker runs on one core, so (one rank per host, over TCP) the
                         optimizer keeps its gradients in one flat buffer (torch/flat_grads.py);
                         the RESULT's "flat" says whether it did at the end
@@ -47,6 +50,27 @@ EXIT_IN_INIT = os.environ.get("ELASTIC_EXIT_IN_INIT")
 ZERO_STAGE = int(os.environ.get("ELASTIC_ZERO_STAGE", "0"))
 LR, MOMENTUM = 0.25, 0.5
 DATASET, BATCH = 40, 2
+STEP_LOG = os.environ.get("ELASTIC_STEP_LOG")
+
+
+def _log_step(line: str) -> None:
+    import hvdlite.torch as hvd
+
+    if STEP_LOG and hvd.rank() == 0:
+        with open(STEP_LOG, "a") as f:
+            f.write(line + "\n")
+
+
+def steps_lost(log_text: str) -> list[int]:
+    """The committed steps that were run again: a step below the highest commit so far."""
+    committed, lost = 0, set()
+    for line in log_text.splitlines():
+        kind, _, value = line.partition(" ")
+        if kind == "commit":
+            committed = max(committed, int(value))
+        elif kind == "run" and int(value) < committed:
+            lost.add(int(value))
+    return sorted(lost)
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,6 +187,7 @@ def main() -> int:
             if HOLD_AT is not None and state.step == HOLD_AT:
                 hold()
             s = state.step
+            _log_step(f"run {s}")
             step_fn(model, opt, s)
             # Unnamed: named by call site and count, which restart with every round, so a
             # worker that joins late names it as the survivors do.
@@ -181,7 +206,10 @@ def main() -> int:
                 import signal
                 os.kill(os.getpid(), signal.SIGSTOP)  # hung: alive, sockets open, silent
             if state.step % COMMIT_EVERY == 0:
-                state.commit()
+                try:
+                    state.commit()
+                finally:  # saved even when the host-update check after it raises
+                    _log_step(f"commit {state.step}")
             time.sleep(STEP_DELAY)
 
     train(state)
