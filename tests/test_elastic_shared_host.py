@@ -44,7 +44,7 @@ def check_nothing_lost(job: ElasticJob, tmp_path, total: int) -> dict:
 
 
 @pytest.mark.timeout(180)
-def test_worker_killed_costs_its_slot_not_its_host(tmp_path, jobs):
+def test_worker_killed_costs_its_slot_not_its_host(tmp_path, jobs):  # noqa: F811
     """The issue's scenario: localhost:3, a worker SIGKILLed after batch 10. Its slot is
     blacklisted for the cooldown, the two survivors go on from their last commit, and the slot
     comes back with a fresh worker that syncs from them."""
@@ -62,7 +62,7 @@ def test_worker_killed_costs_its_slot_not_its_host(tmp_path, jobs):
 
 
 @pytest.mark.timeout(180)
-def test_rank_0_killed_on_a_shared_host(tmp_path, jobs):
+def test_rank_0_killed_on_a_shared_host(tmp_path, jobs):  # noqa: F811
     """Rank 0 (the coordinator's process) dies: a host-mate becomes rank 0 and holds the
     commit; nothing is trained again."""
     total = 30
@@ -80,7 +80,7 @@ def test_rank_0_killed_on_a_shared_host(tmp_path, jobs):
 
 
 @pytest.mark.timeout(300)
-def test_four_failures_in_a_row_lose_no_committed_step(tmp_path, jobs):
+def test_four_failures_in_a_row_lose_no_committed_step(tmp_path, jobs):  # noqa: F811
     """Four kills, each once the job is back to 3 ranks, rank 0's process among them (the issue
     measured 70 of 150 steps lost this way before)."""
     total = 60
@@ -104,7 +104,7 @@ def test_four_failures_in_a_row_lose_no_committed_step(tmp_path, jobs):
 
 
 @pytest.mark.timeout(120)
-def test_no_worker_holding_the_commit_stops_with_one_line(tmp_path, jobs):
+def test_no_worker_holding_the_commit_stops_with_one_line(tmp_path, jobs):  # noqa: F811
     """Every host of the job is replaced at once: the workers that hold the commit leave, and
     the new ones hold nothing. The job stops with one line rather than train from step 0."""
     job = ElasticJob(tmp_path, ["localhost:2"], ["-np", "2", "--min-np", "2", "--max-np", "2"],
