@@ -27,9 +27,11 @@ other workers of its host still run, because they hold the last commit and one c
 (an OOM, a bad library on one GPU) says nothing about its host-mates. The whole host is
 blacklisted only when the host itself is gone: unreachable (ssh failed), or every worker on it
 failed. The peers see `HorovodInternalError`, roll back and join the next round without it.
-A re-formed round always holds the last commit: it has a member of an earlier round, or its
-workers said they resume from a checkpoint; otherwise the job stops with one line saying so
-rather than silently training again from step 0.
+A re-formed round always holds the last commit: it has a member of an earlier round, or a
+worker reported a complete checkpoint (("C", commit, path), from hvdlite.torch.checkpoint), and
+the round's workers are told to resume from it; otherwise the job stops with one line saying so
+rather than silently training again from step 0. When every worker failed, new workers start
+from such a checkpoint, once per checkpoint (a bug that kills every rank again stops the job).
 The job stops with a message and a non-zero exit when
 the reset limit is exceeded, when fewer than `--min-np` slots stay available for
 `--elastic-timeout` seconds, when the discovery script fails on its first run, or when every
@@ -145,6 +147,7 @@ class ElasticDriver:
         self.slot_blacklist = Blacklist(spec.cooldown_range)    # slots ("host:slot") that failed
         # The newest complete checkpoint a worker reported: (commit count, path), or None.
         self.checkpoint: Optional[tuple[int, str]] = None
+        self.recovered_from: Optional[tuple[int, str]] = None  # ... once a round resumed from it
         self.workers: dict[str, _Worker] = {}
         self.retired: list[_Worker] = []      # earlier processes of a respawned slot
         self.round = 0
@@ -158,6 +161,7 @@ class ElasticDriver:
         self.failures: list[str] = []
         self.first_failure_code: Optional[int] = None
         self.failed_since_round = False
+        self._recovery_announced = False
         self._stop_discovery = threading.Event()
         self._discovery_error: Optional[str] = None
         # Hung workers: named by the survivors' coordinator (a stall past the shutdown time),
@@ -353,6 +357,10 @@ class ElasticDriver:
             else:
                 w.status = "waiting"
                 self._verbose(f"elastic: {w.wid} asks to join round {self.round + 1}")
+        elif isinstance(msg, tuple) and msg and msg[0] == "C" and len(msg) == 3:
+            if self.checkpoint is None or int(msg[1]) >= self.checkpoint[0]:
+                self.checkpoint = (int(msg[1]), str(msg[2]))
+                self._verbose(f"elastic: checkpoint {msg[2]} (commit {msg[1]}) is complete")
 
     def _evict_named(self, reporter: _Worker, round_: Any, ranks: Any) -> None:
         """A survivor's coordinator found these ranks of `round_` hung (stalled past the stall
@@ -478,9 +486,15 @@ class ElasticDriver:
             return
         live = self._live()
         if self._all_failed():
-            self._stop(f"elastic: every worker has failed; the last error: {self.failures[-1]}",
-                       self.first_failure_code or 1)
-            return
+            if self.checkpoint is None or self.checkpoint == self.recovered_from:
+                self._stop(f"elastic: every worker has failed; the last error: "
+                           f"{self.failures[-1]}", self.first_failure_code or 1)
+                return
+            if not self._recovery_announced:
+                # Once per checkpoint: a bug that kills every rank again stops the job.
+                self._recovery_announced = True
+                self._say(f"elastic: every worker has failed; new workers will resume from "
+                          f"checkpoint {self.checkpoint[1]} (commit {self.checkpoint[0]})")
         target = self._target(now)
         # Workers that never joined and whose slot is no longer wanted: stop them now.
         for w in live:
@@ -538,8 +552,8 @@ class ElasticDriver:
         members = [w for w in waiting if w.wid in target]
         if len(members) < needed or not members:
             return
-        if self.round > 0 and not any(w.round is not None for w in members) \
-                and self.checkpoint is None:
+        from_checkpoint = self.round > 0 and not any(w.round is not None for w in members)
+        if from_checkpoint and self.checkpoint is None:
             self._stop(self._state_lost_text(), EXIT_STOPPED)
             return
         if self.round > 0:
@@ -549,7 +563,13 @@ class ElasticDriver:
                            f"--reset-limit is {limit}; stopping", EXIT_STOPPED)
                 return
             self.resets += 1
-        self._form_round([w.wid for w in members], target)
+        if from_checkpoint:
+            self._say(f"elastic: no worker left holds the last commit; round {self.round + 1} "
+                      f"resumes from checkpoint {self.checkpoint[1]} (commit "
+                      f"{self.checkpoint[0]})")
+            self.recovered_from = self.checkpoint
+            self._recovery_announced = False
+        self._form_round([w.wid for w in members], target, from_checkpoint)
 
     def _all_failed(self) -> bool:
         """No worker left, and every worker of the last round (or, before the first round,
@@ -659,7 +679,8 @@ class ElasticDriver:
                 rank += 1
         return out
 
-    def _form_round(self, members: list[str], target: list[str]) -> None:
+    def _form_round(self, members: list[str], target: list[str],
+                    from_checkpoint: bool = False) -> None:
         assignments = self._assign(members)
         self.round += 1
         self.plan = {wid: a for wid, a in assignments}
@@ -668,7 +689,8 @@ class ElasticDriver:
         for wid, a in assignments:
             w = self.workers[wid]
             w.status, w.rank, w.round = "running", a["rank"], self.round
-            payload = dict(a, round=self.round, serial=self.serial)
+            payload = dict(a, round=self.round, serial=self.serial,
+                           from_checkpoint=from_checkpoint)
             if w.conn is None or not w.conn.send(("A", payload)):
                 pass  # it died meanwhile: its exit is a failure and the round re-forms
         layout = ", ".join(f"{wid}={a['rank']}" for wid, a in assignments)

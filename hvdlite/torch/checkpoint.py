@@ -268,7 +268,8 @@ def _probe(path: str, rank: int) -> Optional[str]:
 
 
 def save(state_or_dict: Any, path: str, *, async_: bool = True, keep: Optional[int] = None,
-         if_busy: str = "wait", extra: Optional[dict] = None) -> bool:
+         if_busy: str = "wait", extra: Optional[dict] = None,
+         on_complete: Optional[Any] = None) -> bool:
     """Save on every rank (a collective) to the checkpoint directory `path`.
 
     Args:
@@ -281,6 +282,8 @@ def save(state_or_dict: Any, path: str, *, async_: bool = True, keep: Optional[i
         if_busy: when the previous save is still being written: "wait" for it, or "skip"
             this one (on every rank alike).
         extra: JSON-able values for the manifest (e.g. the step).
+        on_complete: called with the path on rank 0 once the checkpoint is complete (from
+            the background thread).
 
     Returns:
         True if the save started (or, with `async_=False`, completed); False if skipped.
@@ -367,7 +370,8 @@ def save(state_or_dict: Any, path: str, *, async_: bool = True, keep: Optional[i
             # Apart from the write: a peer that died mid-save holds rank 0's finish up (until
             # the timeout), but never its next save.
             job.finisher = threading.Thread(target=_finish, name="hvdlite-checkpoint-finish",
-                                            args=(job, writer, metadata, manifest, keep),
+                                            args=(job, writer, metadata, manifest, keep,
+                                                  on_complete),
                                             daemon=True)
             job.finisher.start()
 
@@ -386,7 +390,7 @@ def save(state_or_dict: Any, path: str, *, async_: bool = True, keep: Optional[i
 
 
 def _finish(job: _Save, writer: Any, metadata: Any, manifest: dict,
-            keep: Optional[int]) -> None:
+            keep: Optional[int], on_complete: Optional[Any] = None) -> None:
     """Rank 0: once every rank's part is written, DCP's metadata, then the manifest (last)."""
     timeout = float(os.environ.get(_FINISH_TIMEOUT_ENV, "600"))
     deadline = time.monotonic() + timeout
@@ -425,6 +429,11 @@ def _finish(job: _Save, writer: Any, metadata: Any, manifest: dict,
         return
     if keep is not None:
         _prune(os.path.dirname(job.path), keep, job.started)
+    if on_complete is not None:
+        try:
+            on_complete(job.path)
+        except Exception:  # a callback's bug must not hide that the checkpoint is complete
+            log.exception("hvdlite checkpoint: the on_complete callback failed")
 
 
 def _complete(path: str) -> Optional[dict]:
@@ -667,7 +676,16 @@ def _apply(state: Any, values: dict, model: Optional[torch.nn.Module], loaded: d
         elif isinstance(state, dict):
             state[name] = _unchunk(got)
     if getattr(state, "_handlers", None) is not None:
-        state.save()   # the loaded state is the point a rollback goes back to
+        # The loaded state is the point a rollback goes back to. Not a ZeRO optimizer's save
+        # (a collective: in a round with survivors only new workers load); hvd.elastic.run's
+        # sync that follows every start saves it on every rank.
+        from ..common.elastic import ObjectState
+        from .elastic.state import ShardedOptimizerStateHandler
+
+        for handler in state._handlers.values():
+            if not isinstance(handler, ShardedOptimizerStateHandler):
+                handler.save()
+        ObjectState.save(state)
 
 
 def _unchunk(value: Any) -> Any:

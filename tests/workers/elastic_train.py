@@ -21,9 +21,11 @@ Environment (all optional):
   ELASTIC_EXIT_IN_INIT  this worker ("host:slot") dies inside its first hvd.init(), once
   ELASTIC_ZERO_STAGE    DistributedOptimizer(zero_stage=...) (0); with 1 or 2 the RESULT also
                         holds the consolidated momentum buffers ("momentum")
-  ELASTIC_STEP_LOG      rank 0 appends "run <step>" before each step and "commit <steps>" after
-                        each commit to this file, so a test can count the committed steps a
+  ELASTIC_STEP_LOG      rank 0 appends "run <step> <time>" before each step and "commit <steps>
+                        <time>" after each commit to this file, so a test can count the committed steps a
                         failure made the job run again (`steps_lost`)
+  ELASTIC_CHECKPOINT_DIR, ELASTIC_CHECKPOINT_EVERY
+                        TorchState(checkpoint_dir=..., checkpoint_every=...): durable state
   ELASTIC_ONE_CORE      1: each worker runs on one core, so (one rank per host, over TCP) the
                         optimizer keeps its gradients in one flat buffer (torch/flat_grads.py);
                         the RESULT's "flat" says whether it did at the end
@@ -58,14 +60,14 @@ def _log_step(line: str) -> None:
 
     if STEP_LOG and hvd.rank() == 0:
         with open(STEP_LOG, "a") as f:
-            f.write(line + "\n")
+            f.write(f"{line} {time.time():.3f}\n")
 
 
 def steps_lost(log_text: str) -> list[int]:
     """The committed steps that were run again: a step below the highest commit so far."""
     committed, lost = 0, set()
     for line in log_text.splitlines():
-        kind, _, value = line.partition(" ")
+        kind, value = line.split()[:2]
         if kind == "commit":
             committed = max(committed, int(value))
         elif kind == "run" and int(value) < committed:
@@ -152,7 +154,12 @@ def main() -> int:
                                    named_parameters=model.named_parameters(),
                                    zero_stage=ZERO_STAGE)
     sampler = hvd.elastic.ElasticSampler(range(DATASET), shuffle=True, seed=7)
-    state = hvd.elastic.TorchState(model, opt, sampler=sampler, step=0, trace=[], epochs=[[]])
+    durable = {}
+    if os.environ.get("ELASTIC_CHECKPOINT_DIR"):
+        durable = {"checkpoint_dir": os.environ["ELASTIC_CHECKPOINT_DIR"],
+                   "checkpoint_every": int(os.environ.get("ELASTIC_CHECKPOINT_EVERY", "1"))}
+    state = hvd.elastic.TorchState(model, opt, sampler=sampler, step=0, trace=[], epochs=[[]],
+                                   **durable)
     sizes: list[int] = []
     state.register_reset_callbacks([lambda: sizes.append(hvd.size())])
 
