@@ -56,7 +56,7 @@ def same(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_dcp_reads_hvdlite_and_hvdlite_reads_dcp_and_reshards_2_4_3(tmp_path):
     import torch.distributed.checkpoint as dcp
 

@@ -19,13 +19,21 @@ from test_elastic import ElasticJob, check_exact, elastic_train, jobs, worker_en
 COMMIT_EVERY, CHECKPOINT_EVERY = 2, 3   # a checkpoint every 6 steps
 
 
-def durable_job(tmp_path, total: int) -> ElasticJob:
+def durable_job(tmp_path, total: int, flags: tuple = ()) -> ElasticJob:
     env = worker_env(total)
     env.update(ELASTIC_STEP_LOG=str(tmp_path / "steps.log"),
                ELASTIC_CHECKPOINT_DIR=str(tmp_path / "ckpt"),
                ELASTIC_CHECKPOINT_EVERY=str(CHECKPOINT_EVERY))
-    return ElasticJob(tmp_path, ["localhost:2"], ["-np", "2", "--min-np", "2", "--max-np", "2"],
-                      env=env)
+    return ElasticJob(tmp_path, ["localhost:2"],
+                      ["-np", "2", "--min-np", "2", "--max-np", "2", *flags], env=env)
+
+
+def check_lost_since_checkpoint(tmp_path, commit: int) -> None:
+    lost = elastic_train.steps_lost((tmp_path / "steps.log").read_text())
+    # At most checkpoint_every commits' steps were done again: exactly those after it.
+    assert len(lost) <= CHECKPOINT_EVERY * COMMIT_EVERY, lost
+    if lost:
+        assert lost == list(range(commit * COMMIT_EVERY, lost[-1] + 1)), (commit, lost)
 
 
 @pytest.mark.timeout(240)
@@ -49,16 +57,36 @@ def test_whole_job_killed_resumes_from_the_newest_checkpoint(tmp_path, jobs):  #
     commit = int(re.search(r"commit-(\d+)", line).group(1))
     assert again.finish() == 0, again.err_text()
     check_exact(again.result(), total)
-    lost = elastic_train.steps_lost((tmp_path / "steps.log").read_text())
-    # At most checkpoint_every commits' steps were done again, and exactly those after it.
-    assert len(lost) <= CHECKPOINT_EVERY * COMMIT_EVERY, lost
-    assert lost == list(range(commit * COMMIT_EVERY, lost[-1] + 1)) if lost else True
-    assert not lost or lost[-1] < done + 1
+    check_lost_since_checkpoint(tmp_path, commit)
+    assert max(elastic_train.steps_lost((tmp_path / "steps.log").read_text()) or [0]) <= done
     assert again.leftovers() == []
 
 
 @pytest.mark.timeout(240)
-def test_sigterm_commits_saves_and_exits_then_resumes_losing_nothing(tmp_path, jobs):  # noqa: F811
+def test_every_worker_killed_the_driver_resumes_from_the_checkpoint(
+        tmp_path, jobs):  # noqa: F811
+    """The launcher lives, every worker dies: it was told of a complete checkpoint, so new
+    workers resume from it after the cooldown, once."""
+    total = 40
+    job = durable_job(tmp_path, total, ("--blacklist-cooldown-range", "1", "2"))
+    jobs.append(job)
+    job.wait_progress("localhost:0", 22, size=2)
+    for worker in ("localhost:0", "localhost:1"):
+        os.kill(job.pid(worker), signal.SIGKILL)
+    job.wait_for_line(r"every worker has failed; new workers will resume from checkpoint "
+                      r".*commit-\d+ \(commit \d+\)")
+    line = job.wait_for_line(r"no worker left holds the last commit; round \d+ resumes from "
+                             r"checkpoint .*commit-(\d+)")
+    commit = int(re.search(r"commit-(\d+)", line).group(1))
+    assert job.finish() == 0, job.err_text()
+    check_exact(job.result(), total)
+    check_lost_since_checkpoint(tmp_path, commit)
+    assert job.leftovers() == []
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_commits_saves_and_exits_then_resumes_losing_nothing(
+        tmp_path, jobs):  # noqa: F811
     total = 40
     job = durable_job(tmp_path, total)
     jobs.append(job)
@@ -68,9 +96,9 @@ def test_sigterm_commits_saves_and_exits_then_resumes_losing_nothing(tmp_path, j
     out = "\n".join(job.stdout)
     # The launcher asks for flight-recorder dumps (SIGUSR1) before it passes SIGTERM on: both
     # are stop signals.
-    assert re.search(r"hvdlite: stopped by SIG(TERM|USR1) at commit \d+; saved .*commit-\d+; to resume, "
-                     r"run the same command again: hvd.elastic.run resumes from the newest "
-                     r"complete checkpoint in ", out), out + job.err_text()
+    assert re.search(r"hvdlite: stopped by SIG(TERM|USR1) at commit \d+; saved .*commit-\d+; "
+                     r"to resume, run the same command again: hvd.elastic.run resumes from the "
+                     r"newest complete checkpoint in ", out), out + job.err_text()
     again = durable_job(tmp_path, total)
     jobs.append(again)
     again.wait_for_line(r"elastic: resumed from checkpoint")

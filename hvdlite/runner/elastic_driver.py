@@ -543,9 +543,15 @@ class ElasticDriver:
         for w in starting:
             if now - w.spawned_at > self.spec.start_timeout:
                 self._fail_start(w)
-        if any(w.status in ("starting", "running") for w in live):
-            return
         waiting = [w for w in live if w.status == "waiting"]
+        # After a failure the survivors that hold the last commit go on as soon as they are
+        # back: workers still starting on other slots (seconds of imports) join at the next
+        # round, through the host-update notice, instead of holding up the next commit.
+        survivors_back = self.failed_since_round and any(
+            w.round is not None and w.wid in target for w in waiting)
+        if any(w.status == "running" or (w.status == "starting" and not survivors_back)
+               for w in live):
+            return
         for w in waiting:
             if w.wid not in target:
                 self._dismiss(w, "its host was removed or the job has --max-np workers")
