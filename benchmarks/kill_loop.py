@@ -247,17 +247,31 @@ def analyse(system: str, rows: list, failures: list, t0: float, t_end: float,
     out = {"system": system, "failures": len(failures), "survived": alive,
            "progress": max((s for s, _ in runs), default=0), "by_kind": {}}
     lost_partial, lost_whole, recover = 0, 0, {}
+    # (recovery time, kind, commit, steps lost so far) of the failure the job last recovered from
+    open_since: tuple = (float("-inf"), "", 0, 0)
     for i, (tf, kind) in enumerate(failures):
         t_next = failures[i + 1][0] if i + 1 < len(failures) else t_end
         before = max((s for s, t in commits if t <= tf), default=0)
-        after = [s for s, t in runs if tf < t < t_next]
-        lost = max(0, before - min(after)) if after else 0
-        if kind == "kill_all":
+        charged, counted = kind, 0
+        if tf < open_since[0]:
+            # The job had not recovered from the failure before: what is lost from here on
+            # belongs to that one (its commit is the one to keep), counted once.
+            charged, before, counted = open_since[1], open_since[2], open_since[3]
+        in_flight = max((s for s, t in runs if t <= tf), default=0)
+        # The next commit of a step begun after the failure (a commit the survivors finish
+        # just after it, of the step in flight, is not a recovery).
+        nxt = [t for s, t in commits if t > tf and s >= in_flight + 2]
+        recovered_at = nxt[0] if nxt else t_end
+        # Steps run again: below the last commit, run between the failure and that recovery.
+        after = [s for s, t in runs if tf < t <= recovered_at]
+        total = max(counted, max(0, before - min(after)) if after else 0)
+        lost, open_since = total - counted, (recovered_at, charged, before, total)
+        if charged == "kill_all":
             lost_whole += lost
         else:
             lost_partial += lost
-        nxt = [t for s, t in commits if t > tf and s > before]
-        recover.setdefault(kind, []).append(nxt[0] - tf if nxt and nxt[0] < t_next else None)
+        recover.setdefault(kind, []).append(recovered_at - tf if nxt and nxt[0] < t_next
+                                            else None)
     out["committed_steps_lost_partial"] = lost_partial
     out["steps_lost_whole_job"] = lost_whole
     for kind, times in recover.items():
@@ -270,6 +284,8 @@ def analyse(system: str, rows: list, failures: list, t0: float, t_end: float,
     out["kill_worst_s"] = max(kills) if kills else None
     first = runs[0][1] if runs else t0
     out["steps_per_s"] = out["progress"] / max(1e-9, t_end - first)
+    out["log"] = rows                 # to look at (or analyse again) later
+    out["failure_times"] = failures
     return out
 
 
@@ -346,6 +362,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--only", choices=("hvdlite", "torchrun"), default=None,
                     help="run one system (to look at it; the table needs both)")
+    ap.add_argument("--reanalyse", metavar="JSON", default=None,
+                    help="print the table again from a saved --json (its step logs)")
     ap.add_argument("--torchrun-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--save-cost-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -368,7 +386,21 @@ def main() -> int:
     plan = schedule(args.seed, duration, gap)
     clean_s = 20.0 if args.short else 60.0
     results = {}
-    for system in (args.only,) if args.only else ("hvdlite", "torchrun"):
+    if args.reanalyse:
+        saved = json.loads(Path(args.reanalyse).read_text())
+        plan = [tuple(p) for p in saved["plan"]]
+        for system, r in saved["results"].items():
+            rows = [tuple(row) for row in r["log"]]
+            failures = [tuple(f) for f in r["failure_times"]]
+            t_first = rows[0][2] if rows else 0.0
+            again = analyse(system, rows, failures, t_first, t_first + (r["progress"] /
+                                                                        r["steps_per_s"]),
+                            r["survived"])
+            again["goodput"] = again["steps_per_s"] / max(1e-9, r["clean_steps_per_s"])
+            again["clean_steps_per_s"] = r["clean_steps_per_s"]
+            results[system] = again
+    for system in () if args.reanalyse else (args.only,) if args.only \
+            else ("hvdlite", "torchrun"):
         clean = run_job(system, clean_s, [], args.seed)
         loaded = run_job(system, duration, plan, args.seed)
         loaded["goodput"] = loaded["steps_per_s"] / max(1e-9, clean["steps_per_s"])
@@ -394,7 +426,7 @@ def main() -> int:
     if len(results) == 2:
         ratio = results["hvdlite"]["goodput"] / max(1e-9, results["torchrun"]["goodput"])
         print(f"goodput hvdlite / torchrun: {ratio:.2f} (target >= 2)")
-    if args.json:
+    if args.json and not args.reanalyse:
         Path(args.json).write_text(json.dumps({"plan": plan, "results": results,
                                                "goodput_ratio": ratio}, indent=1))
     return 0
