@@ -10,17 +10,21 @@ unless HVDLITE_REQUIRE_NETNS=1 (set by .ci/run) makes that a failure. See docs/m
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 import cluster as cl
+from test_elastic import ElasticJob, check_exact, worker_env
 from util import rank_lines
 
 PY = sys.executable
 WORKERS = Path(__file__).parent / "workers"
+ELASTIC_WORKER = WORKERS / "elastic_train.py"
 
 
 def _skip_or_fail(reason: str):
@@ -140,3 +144,87 @@ def test_unreachable_host_at_start(two_hosts):
     assert "hvdlite-run: cannot reach host node2 over ssh" in out.stderr, out.stderr
     assert "node1" not in out.stderr.split("cannot reach", 1)[1].splitlines()[0]
     assert took < 5 + 15, took
+
+
+# --------------------------------------------------------------------------- partitions
+
+class ClusterJob(ElasticJob):
+    """An elastic `hvdlite-run` (workers/elastic_train.py) on the login host, ranks over ssh,
+    its discovery script listing the cluster's nodes one slot each."""
+
+    def __init__(self, c: cl.Cluster, tmp_path: Path, hosts: list[str], flags: list,
+                 env: dict[str, str]) -> None:
+        self.dir = tmp_path
+        self.marks = tmp_path / "marks"
+        self.marks.mkdir(exist_ok=True)
+        self.hosts_file = tmp_path / "hosts"
+        self.set_hosts(hosts)
+        script = tmp_path / "discover.sh"
+        script.write_text(f"#!/bin/sh\ncat {self.hosts_file}\n")
+        script.chmod(0o755)
+        self.marker = f"hvdlite-cluster-test-{os.getpid()}-{time.monotonic_ns()}"
+        full_env = {"ELASTIC_MARK_DIR": str(self.marks), "HVDLITE_TEST_MARKER": self.marker,
+                    **env}
+        self.proc = c.popen("login", [cl.HVDLITE_RUN, *c.ssh_flags(), "--host-discovery-script",
+                                      script, *flags, PY, ELASTIC_WORKER], env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        self._cond = threading.Condition()
+        for stream, sink in ((self.proc.stdout, self.stdout), (self.proc.stderr, self.stderr)):
+            threading.Thread(target=self._pump, args=(stream, sink), daemon=True).start()
+
+
+STALL_S = 6
+
+
+@pytest.fixture
+def three_hosts(request):
+    return _cluster(request, 3)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("victim", ["node3", "node1"], ids=["worker_host", "rank0_host"])
+def test_partition_evicts_the_host_and_takes_it_back(three_hosts, tmp_path, victim):
+    """An elastic job on 3 hosts; `victim`'s link is cut mid-run, its processes alive. The job
+    names it within the stall shutdown time, evicts it, goes on at size 2 from its last commit;
+    after the heal and the cooldown the host is taken back. The stale worker (whose connections
+    come back with the link) gets no round and ends; every committed step is kept exactly once
+    and the weights equal single-process training (no stale gradient was applied)."""
+    c = three_hosts
+    total, hold_at = 40, 30
+    job = ClusterJob(c, tmp_path, ["node1:1", "node2:1", "node3:1"],
+                     ["-np", 3, "--min-np", 2, "--max-np", 3,
+                      "--blacklist-cooldown-range", 4, 5,
+                      "--stall-check-warning-time-seconds", 3,
+                      "--stall-check-shutdown-time-seconds", STALL_S],
+                     worker_env(total, hold_at=hold_at, hold_size=3, delay=0.1))
+    survivor = "node2:0"
+    try:
+        job.wait_progress(survivor, 10, size=3)
+        stale = job.pid(f"{victim}:0")
+        c.partition(victim)
+        cut_at = time.monotonic()
+        step = job.progress(survivor)[0]
+        job.wait_for_line(rf"elastic: worker {victim}:0 \(host {victim}, rank \d\) "
+                          rf"(hung|lost its ssh connection)", timeout=60)
+        job.wait_progress(survivor, step + 2, size=2, timeout=60)
+        recovered = time.monotonic() - cut_at
+        # The stall shutdown time plus a few seconds (loosely: this machine is shared).
+        assert recovered < STALL_S + 15, (recovered, job.err_text()[-3000:])
+        c.heal(victim)
+        job.wait_for_line(rf"host {victim} is back after its blacklist cooldown", timeout=60)
+        job.wait_progress(survivor, hold_at + 1, size=3, timeout=120)
+        assert job.finish() == 0, job.err_text()[-4000:]
+        result = job.result()
+        check_exact(result, total)
+        assert result["size"] == 3
+        assert 2 in result["reset_sizes"] and result["reset_sizes"][-1] == 3
+        # The stale worker ended once its host was back: nothing of the first round is left.
+        deadline = time.monotonic() + 20
+        while cl._pid_alive(stale) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not cl._pid_alive(stale) or cl._comm(stale) == "", f"stale worker {stale} lives"
+        assert [p for host in c.nodes for p in c.processes(host.name)] == []
+    finally:
+        job.kill()
