@@ -54,6 +54,12 @@ echo "== a one-rank job: steady state on one member, and every call through the 
 HVDLITE_STEADY_STATE=0 "$PY" benchmarks/one_rank.py --json "$OUT/one_rank_coordinator.json"
 echo "== job start: hvdlite-run against torchrun, 2 ranks (started from here, not under a launcher)"
 "$PY" benchmarks/job_start.py --np 2 --json "$OUT/job_start.json"
+if [ "$(id -u)" = 0 ]; then
+  echo "== a namespaced cluster on 1 Gbit/s links: cross-host allreduce, hierarchical (root)"
+  "$PY" benchmarks/cluster.py --json "$OUT/cluster.json"
+else
+  echo "== skipped benchmarks/cluster.py: network namespaces need root"
+fi
 echo "== GPU (NCCL), or its CPU fallback without a GPU"
 PYTHON="$PY" bash benchmarks/gpu.sh "$OUT"
 echo "== the engine's targets, at a glance (python benchmarks/report.py prints every table)"
