@@ -34,9 +34,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFIX = "hvdlt-"
@@ -46,7 +46,7 @@ SUBNETS = ("198.18.0", "198.19.0")     # eth0, eth1: both inside 198.18.0.0/15
 LOGIN_OCTET, FIRST_NODE_OCTET, DEAD_GATEWAY_OCTET = 2, 11, 254
 RATES = {"1gbit": "256kb", "10gbit": "2mb", "100mbit": "64kb"}   # rate -> tbf burst
 _counter = itertools.count()
-_live: list["Cluster"] = []
+_live: list[Cluster] = []
 
 
 class ClusterUnavailable(RuntimeError):
@@ -54,16 +54,16 @@ class ClusterUnavailable(RuntimeError):
 
 
 def _run(*cmd: str, check: bool = True, timeout: float = 20) -> subprocess.CompletedProcess:
-    out = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(list(cmd), check=False, capture_output=True, text=True, timeout=timeout)
     if check and out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr.strip()}")
     return out
 
 
-def _batch(lines: Sequence[str], netns: Optional[str] = None) -> None:
+def _batch(lines: Sequence[str], netns: str | None = None) -> None:
     """Many `ip` commands in one process (`ip -batch`): set-up stays well under a second."""
     cmd = ["ip"] + (["-n", netns] if netns else []) + ["-batch", "-"]
-    out = subprocess.run(cmd, input="\n".join(lines) + "\n", capture_output=True, text=True,
+    out = subprocess.run(cmd, check=False, input="\n".join(lines) + "\n", capture_output=True, text=True,
                          timeout=20)
     if out.returncode != 0:
         raise RuntimeError(f"ip -batch failed: {out.stderr.strip()}\n" + "\n".join(lines))
@@ -139,7 +139,7 @@ class Host:
     ns: str              # network namespace
     port: str            # the switch end of its eth0 veth
     addrs: list[str]     # eth0 (and eth1) addresses
-    holder: Optional[subprocess.Popen] = None   # sshd: holds the UTS/IPC/mount namespaces
+    holder: subprocess.Popen | None = None   # sshd: holds the UTS/IPC/mount namespaces
     shaped: list[str] = field(default_factory=list)
 
     @property
@@ -150,7 +150,7 @@ class Host:
 class Cluster:
     """`n` worker hosts node1..nodeN and a login host, each with an sshd; see the module doc."""
 
-    def __init__(self, n: int, nics: int = 1, workdir: Optional[Path] = None) -> None:
+    def __init__(self, n: int, nics: int = 1, workdir: Path | None = None) -> None:
         require()
         sweep_stale()
         self.tag = f"{PREFIX}{os.getpid()}-{next(_counter)}"
@@ -241,19 +241,18 @@ PidFile none
         setup = (f"mount -t tmpfs -o size=2g,mode=1777 tmpfs /dev/shm && "
                  f"mount --bind {hosts_file} /etc/hosts && hostname {host.name} && "
                  f"exec {SSHD} -D -e -f {self.dir / 'sshd_config'}")
-        log = open(self.dir / f"sshd.{host.name}.log", "w")
-        host.holder = subprocess.Popen(
-            ["ip", "netns", "exec", host.ns, "unshare", "--uts", "--ipc", "--mount",
-             "--propagation", "private", "sh", "-c", setup],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
-        log.close()
+        with open(self.dir / f"sshd.{host.name}.log", "w") as log:
+            host.holder = subprocess.Popen(
+                ["ip", "netns", "exec", host.ns, "unshare", "--uts", "--ipc", "--mount",
+                 "--propagation", "private", "sh", "-c", setup],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
 
     def _wait_port(self, host: Host, deadline: float) -> None:
         while True:
             probe = subprocess.run(
                 ["ip", "netns", "exec", host.ns, sys.executable, "-c",
                  "import socket;socket.create_connection(('127.0.0.1',22),1).close()"],
-                capture_output=True)
+                check=False, capture_output=True)
             if probe.returncode == 0:
                 return
             if host.holder.poll() is not None or time.monotonic() > deadline:
@@ -280,7 +279,7 @@ PidFile none
         # -w: entering a mount namespace otherwise starts in its root directory.
         return ["nsenter", "-t", str(pid), "--net", "--uts", "--ipc", "--mount", f"-w{ROOT}"]
 
-    def env(self, extra: Optional[dict[str, str]] = None) -> dict[str, str]:
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
         env.setdefault("HVDLITE_START_TIMEOUT", "60")
@@ -288,16 +287,17 @@ PidFile none
         env.update(extra or {})
         return env
 
-    def popen(self, host: str, cmd: Sequence[str], env: Optional[dict[str, str]] = None,
+    def popen(self, host: str, cmd: Sequence[str], env: dict[str, str] | None = None,
               **kwargs) -> subprocess.Popen:
         return subprocess.Popen([*self.enter(host), *map(str, cmd)], env=self.env(env),
                                 cwd=str(ROOT), **kwargs)
 
-    def run(self, host: str, cmd: Sequence[str], env: Optional[dict[str, str]] = None,
+    def run(self, host: str, cmd: Sequence[str], env: dict[str, str] | None = None,
             timeout: float = 120) -> subprocess.CompletedProcess:
         try:
             return subprocess.run([*self.enter(host), *map(str, cmd)], env=self.env(env),
-                                  cwd=str(ROOT), capture_output=True, text=True, timeout=timeout)
+                                  cwd=str(ROOT), capture_output=True, text=True,
+                                  timeout=timeout, check=False)
         except subprocess.TimeoutExpired as exc:
             def text(b):
                 return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
@@ -305,13 +305,13 @@ PidFile none
                                  f"{timeout} s\n--- stdout\n{text(exc.stdout)[-4000:]}\n"
                                  f"--- stderr\n{text(exc.stderr)[-4000:]}") from None
 
-    def hvdlite_run(self, args: Sequence[object], env: Optional[dict[str, str]] = None,
+    def hvdlite_run(self, args: Sequence[object], env: dict[str, str] | None = None,
                     timeout: float = 120) -> subprocess.CompletedProcess:
         """`hvdlite-run args...` on the login host, ranks over ssh."""
         return self.run("login", [HVDLITE_RUN, *self.ssh_flags(), *map(str, args)], env,
                         timeout)
 
-    def hosts_arg(self, slots: int, hosts: Optional[Sequence[str]] = None) -> str:
+    def hosts_arg(self, slots: int, hosts: Sequence[str] | None = None) -> str:
         names = hosts or [h.name for h in self.nodes]
         return ",".join(f"{name}:{slots}" for name in names)
 
@@ -394,7 +394,7 @@ PidFile none
         """Namespaces of this cluster still present (none after close())."""
         return [ns for ns in namespaces() if ns.startswith(self.tag + "-")]
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -410,7 +410,7 @@ def _comm(pid: int) -> str:
 
 @atexit.register
 def _close_all() -> None:
-    for cluster in list(_live):
+    for cluster in _live:
         cluster.close()
 
 

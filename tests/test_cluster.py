@@ -16,9 +16,8 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 import cluster as cl
+import pytest
 from test_elastic import ElasticJob, check_exact, worker_env
 from util import rank_lines
 
@@ -91,7 +90,7 @@ def ops_run(two_hosts):
 def test_every_collective_across_two_hosts(ops_run):
     """Every collective, dtype and op of workers/ops_basic.py on 4 ranks over 2 hosts."""
     failed = _judge(ops_run, 4, skip=_OPS_LAYOUT + ("min_max_nan",))
-    assert failed == {}, "\n".join(sum(failed.values(), []))
+    assert failed == {}, "\n".join(line for lines in failed.values() for line in lines)
 
 
 @pytest.mark.timeout(240)
@@ -206,8 +205,8 @@ def test_partition_evicts_the_host_and_takes_it_back(three_hosts, tmp_path, vict
         c.partition(victim)
         cut_at = time.monotonic()
         step = job.progress(survivor)[0]
-        job.wait_for_line(rf"elastic: worker {victim}:0 \(host {victim}, rank \d\) "
-                          rf"(hung|lost its ssh connection)", timeout=60)
+        job.wait_for_line(rf"elastic: (worker {victim}:0 \(host {victim}, rank \d\) hung|"
+                          rf"reset 1: round 2 with 2 workers)", timeout=60)
         job.wait_progress(survivor, step + 2, size=2, timeout=60)
         recovered = time.monotonic() - cut_at
         # The stall shutdown time plus a few seconds (loosely: this machine is shared).
@@ -228,3 +227,43 @@ def test_partition_evicts_the_host_and_takes_it_back(three_hosts, tmp_path, vict
         assert [p for host in c.nodes for p in c.processes(host.name)] == []
     finally:
         job.kill()
+
+
+@pytest.mark.timeout(180)
+def test_login_host_cut_off_from_a_worker_host_keeps_training(three_hosts, tmp_path):
+    """The login host (the driver) loses node3 while the nodes still reach each other: the ssh
+    session dies, but the job keeps training at size 3 with node3's rank (no second worker is
+    started for its slot, nothing is blacklisted), and finishes with every step exact."""
+    c = three_hosts
+    total = 100
+    # ssh notices a dead link after ServerAliveInterval x ServerAliveCountMax (30 s by default).
+    env = {**worker_env(total, delay=0.1), "HVDLITE_SSH_ARGS": c.ssh_env()["HVDLITE_SSH_ARGS"]
+           + " -o ServerAliveInterval=2 -o ServerAliveCountMax=2"}
+    job = ClusterJob(c, tmp_path, ["node1:1", "node2:1", "node3:1"],
+                     ["-np", 3, "--min-np", 2, "--max-np", 3,
+                      "--blacklist-cooldown-range", 4, 5,
+                      "--stall-check-warning-time-seconds", 3,
+                      "--stall-check-shutdown-time-seconds", STALL_S], env)
+    try:
+        job.wait_progress("node3:0", 10, size=3)
+        worker = job.pid("node3:0")
+        c.cut("login", "node3")
+        job.wait_for_line(r"elastic: lost the ssh connection to worker node3:0 \(host node3, "
+                          r"rank 2\).*the job goes on with it", timeout=60)
+        step = job.progress("node3:0")[0]
+        job.wait_progress("node3:0", step + 10, size=3, timeout=60)
+        assert job.finish() == 0, job.err_text()[-4000:]
+        result = job.result()
+        check_exact(result, total)
+        assert result["size"] == 3 and result["reset_sizes"] == [], result["reset_sizes"]
+        err = job.err_text()
+        assert "blacklisting host node3" not in err, err[-3000:]
+        assert "leaves the job" in err.split("lost the ssh connection", 1)[1], err[-3000:]
+        # It trained to the end with its peers, and ended by itself.
+        deadline = time.monotonic() + 20
+        while cl._pid_alive(worker) and cl._comm(worker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not cl._pid_alive(worker) or not cl._comm(worker), f"worker {worker} lives"
+    finally:
+        job.kill()
+        c.uncut("login", "node3")

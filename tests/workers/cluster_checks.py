@@ -20,10 +20,10 @@ import socket
 
 import psutil
 import torch
+from ops_common import all_inputs, check, finish, gen, reduce_ref, same
 
 import hvdlite.torch as hvd
 from hvdlite.common import basics
-from ops_common import all_inputs, check, finish, gen, reduce_ref, same
 
 p = argparse.ArgumentParser()
 p.add_argument("--nic", default=None)
@@ -52,7 +52,11 @@ def private_shm():
     with open(MARK, "w") as f:
         f.write(str(rank))
     hvd.barrier()
-    seen = sorted(int(open(path).read()) for path in glob.glob(MARK[:-len(str(rank))] + "*"))
+    seen = []
+    for path in glob.glob(MARK[:-len(str(rank))] + "*"):
+        with open(path) as f:
+            seen.append(int(f.read()))
+    seen.sort()
     want = [0, 1] if rank < 2 else [2, 3]
     hvd.barrier()
     os.unlink(MARK)
