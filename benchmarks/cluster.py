@@ -125,6 +125,7 @@ def partition_recovery(work: Path, n: int, stall: int) -> dict:
                       flush=True)
         finally:
             job.kill()
+            (work / "partition" / "driver.log").write_text(job.err_text())
     return {"stall_s": stall, **times}
 
 
