@@ -154,6 +154,7 @@ class Cluster:
         require()
         sweep_stale()
         self.tag = f"{PREFIX}{os.getpid()}-{next(_counter)}"
+        self._own_dir = workdir is None
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="hvdlite-cluster-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.switch = f"{self.tag}-sw"
@@ -387,6 +388,8 @@ PidFile none
                     h.holder.wait(5)
                 except subprocess.TimeoutExpired:
                     pass
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
         if self in _live:
             _live.remove(self)
 
