@@ -61,6 +61,12 @@ echo "== job start: hvdlite-run against torchrun, 2 ranks (started from here, no
 echo "== kill loop (short): elastic job under failures against torchrun; async checkpoint cost"
 "$PY" benchmarks/kill_loop.py --short --json "$OUT/kill_loop_short.json"
 "$PY" benchmarks/kill_loop.py --save-cost --json "$OUT/checkpoint_save_cost.json"
+if [ "$(id -u)" = 0 ]; then
+  echo "== a namespaced cluster on 1 Gbit/s links: cross-host allreduce, hierarchical (root)"
+  "$PY" benchmarks/cluster.py --json "$OUT/cluster.json"
+else
+  echo "== skipped benchmarks/cluster.py: network namespaces need root"
+fi
 echo "== GPU (NCCL), or its CPU fallback without a GPU"
 PYTHON="$PY" bash benchmarks/gpu.sh "$OUT"
 echo "== the engine's targets, at a glance (python benchmarks/report.py prints every table)"

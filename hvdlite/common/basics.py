@@ -229,7 +229,7 @@ def _join(state: "_State", ident: Any, world: Any, settings: Settings, dynamic: 
     state.sets[0] = global_process_set
 
     factory = select.comm_factory(transport, store=store, prefix=prefix, world=world,
-                                  rank=ident.rank, timeout_s=settings.gloo_timeout_s)
+                                  rank=ident.rank, timeout_s=_transport_timeout(settings))
     if settings.hierarchical_allreduce:  # the one hook: the global set's CPU communicator
         factory = hierarchical.wrap_factory(factory, ident.rank, topo["hosts"], ident.size)
     local_size = topo.get("local_size", 1)
@@ -266,6 +266,17 @@ def _settings_for_host(settings: Settings, local_ranks: int, shared_memory: bool
                  "of %.0f MB (set HVDLITE_BUCKET_CAP_MB to choose)", local_ranks, cores,
                  cpu_cap / (1 << 20))
     return dataclasses.replace(settings, cpu_whole_pass=whole, cpu_bucket_cap_bytes=cpu_cap)
+
+
+def _transport_timeout(settings: Settings) -> float:
+    """The transport's timeout, at most the stall shutdown time when that is shorter: a
+    collective already released runs in the transport, where the stall inspector cannot see it,
+    so a peer cut off mid-transfer (a partitioned host) is noticed after this long. Past the
+    stall shutdown time the job calls a wait a hang anyway."""
+    stall = settings.stall_shutdown_s
+    if settings.stall_check_disable or stall <= 0:
+        return settings.gloo_timeout_s
+    return min(settings.gloo_timeout_s, stall)
 
 
 def _share_address(ident: Any, store: Any, prefix: str, port: Optional[int],

@@ -115,6 +115,7 @@ class _Worker:
         self.round: Optional[int] = None
         self.returncode: Optional[int] = None
         self.failed = False
+        self.lost_contact = False         # remote, its ssh session died while its round ran
         self.done = threading.Event()     # the process has exited (set by its waiter thread)
         self.reaped = False               # ... and the event loop has handled that exit
 
@@ -391,6 +392,8 @@ class ElasticDriver:
         self._say(f"elastic: {text}; killing it (SIGKILL) and {self._blacklist_failed(w)}")
         w.status = "removed"
         kill(w.proc)
+        if w.lost_contact:
+            w.reaped = True   # its ssh session's exit was seen already; no other comes
         self._abort_round(w, text)
 
     def _abort_round(self, failed: _Worker, text: str) -> None:
@@ -427,6 +430,8 @@ class ElasticDriver:
             w.conn.send(("X", f"elastic worker {w.wid} leaves the job: {why}"))
 
     def _on_exit(self, w: _Worker) -> None:
+        if self._lost_contact(w):
+            return
         w.reaped = True
         if w.output is not None:
             w.output.join(1.0)  # its last lines (a traceback) first
@@ -472,6 +477,35 @@ class ElasticDriver:
             what, delay = f"slot {w.wid}", self.slot_blacklist.add(w.wid)
         how_long = "for the rest of the job" if delay is None else f"for {delay:.0f} s"
         return f"blacklisting {what} {how_long}"
+    def _lost_contact(self, w: _Worker) -> bool:
+        """True when `w` is a remote worker of the running round whose ssh session died (ssh's
+        255): this machine lost its link to the host, which says nothing of the worker, and its
+        peers may still reach it (they do, when only the launching host is cut off). Keeping the
+        job training beats stopping it, so the worker keeps its slot (no second worker starts
+        for it) and the job goes on with it, its output and exit status lost, until its peers
+        name it hung (the stall shutdown time) or a new round forms without it (it can no
+        longer ask to join one). It is never counted as failed."""
+        if w.lost_contact:
+            return True
+        if w.returncode != 255 or remote_host(w.proc) is None or w.status != "running" \
+                or w.round != self.round or self.finishing:
+            return False
+        w.lost_contact = True
+        self._say(f"elastic: lost the ssh connection to {w.describe()}; its host cannot be "
+                  f"reached from here, but its peers may still reach it, so the job goes on with "
+                  f"it (its output and exit status are lost); if it stopped, its peers name it "
+                  f"after the stall shutdown time")
+        return True
+
+    def _drop_lost_contact(self, live: list[_Worker]) -> None:
+        """A new round is forming (the others ask to join) or the job is finishing: a worker
+        out of reach cannot take part, so it is let go (its host is not blacklisted: it did not
+        fail, and a new worker there waits in init() as any newcomer does)."""
+        for w in live:
+            if w.lost_contact and not w.reaped:
+                w.reaped = True
+                w.status = "removed"
+                self._say(f"elastic: {w.describe()} is out of reach and leaves the job")
 
     # ------------------------------------------------------------------ decisions
     def _advance(self) -> None:
@@ -543,6 +577,9 @@ class ElasticDriver:
         for w in starting:
             if now - w.spawned_at > self.spec.start_timeout:
                 self._fail_start(w)
+        if any(w.status == "waiting" for w in live):
+            self._drop_lost_contact(live)
+            live = self._live()
         waiting = [w for w in live if w.status == "waiting"]
         # After a failure the survivors that hold the last commit go on as soon as they are
         # back: workers still starting on other slots (seconds of imports) join at the next
@@ -765,6 +802,7 @@ class ElasticDriver:
 
     def _finish(self) -> None:
         """After a worker finished: dismiss the others as they ask, then report."""
+        self._drop_lost_contact(self._live())
         for w in self._live():
             if w.status == "starting":
                 self._retire(w, "the job is finishing")

@@ -64,6 +64,7 @@ class Coordinator(Admission, RequestTable, Release, StallWatch):
         self.refused = 0                            # connections refused (for tests and logs)
         self._last_seen: dict[int, tuple] = {}      # rank -> (time, requests, hits) of its last Q
         self._dump_asked = False
+        self._released_any = False                  # a response went out (StallWatch)
         self._fatal_extra: dict | None = None
         self.straggler = None                       # straggler.Tracker when reports are on
         self._shut_down_ranks: set[int] = set()
@@ -192,6 +193,7 @@ class Coordinator(Admission, RequestTable, Release, StallWatch):
             peer = self.peers.get(rank)
             if peer is None or not items:
                 continue
+            self._released_any = True
             try:
                 peer.channel.send((Msg.RESPONSES, items))
             except OSError:

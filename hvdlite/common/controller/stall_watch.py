@@ -28,11 +28,26 @@ class StallWatch:
                     peer.channel.send((Msg.DUMP, "stall reported"))
                 except OSError:
                     pass
+        if fatal and self._still_starting(list(self.stall.missing)):
+            fatal = None
         if fatal:
             hung = list(self.stall.missing)
             out: dict = {}
             self._stop_with(self._hang_message(hung, now) + "\n" + fatal, out,
                             {"hung": hung, "dump": "stall shutdown"})
+
+    def _still_starting(self, hung: list) -> bool:
+        """Ranks that have sent no collective yet, before any collective was released, are still
+        starting (the steady state sends the coordinator nothing, so a hung rank's silence alone
+        does not tell): a worker that joins an elastic job imports what its first steps need
+        (torch's optimizers pull in torch._dynamo) and can take longer than a short stall
+        shutdown time on a busy host. They get the start timeout (HVDLITE_START_TIMEOUT)
+        instead; a rank hung after its first collective does not."""
+        if self._released_any:
+            return False   # a collective was released: every rank of it had started
+        grace = max(self.settings.start_timeout_s, self.settings.stall_shutdown_s)
+        return bool(hung) and all(self._last_seen.get(g) is None for g in hung) \
+            and self.stall.oldest < grace
 
     def _heartbeat(self) -> None:
         """Once a second: lets every rank tell a quiet coordinator from a hung one (a stopped
