@@ -120,6 +120,9 @@ class ToDriver(_Kind):
              "frame of a control connection")
     JOIN = ("J", WORKER_TO_DRIVER, '("J", round, suspects): place this worker in the next '
             "round; `suspects` are peers it saw fail")
+    CHECKPOINT = ("C", WORKER_TO_DRIVER, '("C", commit_count, path): a complete checkpoint '
+                  "exists (hvdlite.torch.checkpoint), so a round with no member holding the last "
+                  "commit may resume from it")
 
 
 @enum.unique
