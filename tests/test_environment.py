@@ -83,6 +83,12 @@ def test_mpi_launchers(env, source, want):
     assert (found.rank, found.size, found.local_rank, found.local_size) == want
 
 
+def test_mpi_launcher_rank_before_mpi_init():
+    assert envtab.mpi_launcher_rank({"PMI_RANK": "1", "PMI_SIZE": "2"}) == 1
+    assert envtab.mpi_launcher_rank({"OMPI_COMM_WORLD_RANK": "3"}) == 3
+    assert envtab.mpi_launcher_rank({**HVDLITE_RANK1}) is None
+
+
 def test_mpirun_inside_a_slurm_allocation_is_mpirun():
     """mpirun starts its daemons with srun: its ranks inherit the daemons' step (one task per
     node). Those are not the rank's coordinates."""
@@ -94,8 +100,13 @@ def test_mpirun_inside_a_slurm_allocation_is_mpirun():
 
 def test_srun_pmi_variables_are_slurms_task():
     """srun --mpi=pmi2/pmix sets PMI_RANK/PMIX_RANK in each task: the SLURM row describes it."""
-    found = detect({**SRUN_TASK3, "PMIX_RANK": "3", "PMI_RANK": "3", "PMI_SIZE": "4"})
+    found = detect({**SRUN_TASK3, "PMIX_RANK": "3", "PMI_RANK": "3", "PMI_SIZE": "4",
+                    "SLURM_MPI_TYPE": "pmix"})
     assert (found.source, found.rank, found.size) == ("SLURM (srun)", 3, 4)
+    # mpiexec inside a one-task step: its rank 0 has the step's PROCID, not its size.
+    task = {**SRUN_TASK3, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"}
+    found = detect({**task, "PMI_RANK": "0", "PMI_SIZE": "2"})
+    assert (found.source, found.rank, found.size) == ("MPICH/Hydra (PMI)", 0, 2)
 
 
 def test_torchrun():

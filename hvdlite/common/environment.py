@@ -158,11 +158,15 @@ def _horovod(env: Env) -> Detected:
                                     "HOROVOD_GLOO_RENDEZVOUS_PORT"))
 
 
-def _in_srun_step(env: Env, rank_var: str) -> bool:
+def _in_srun_step(env: Env, rank_var: str, size_var: str | None) -> bool:
     """srun's PMI plugins (--mpi=pmi2/pmix) set PMI_RANK/PMIX_RANK in every task: then the task
-    is SLURM's, described by the SLURM row, whatever MPI the job uses."""
-    return env.get("SLURM_STEP_ID") not in (None, "") and env.get(rank_var) == \
-        env.get("SLURM_PROCID")
+    is SLURM's, described by the SLURM row, whatever MPI the job uses. An mpiexec run inside a
+    task gives its ranks other numbers (and sizes) than the step's."""
+    if env.get("SLURM_STEP_ID") in (None, "") or env.get(rank_var) != env.get("SLURM_PROCID"):
+        return False
+    if size_var and env.get(size_var) not in (None, ""):
+        return env.get(size_var) == env.get("SLURM_STEP_NUM_TASKS")
+    return env.get("SLURM_MPI_TYPE", "").startswith("pmi")   # PMIx exports no size
 
 
 def _mpi_row(name: str, rank_var: str, size_var: str | None, local_rank_var: str | None,
@@ -178,7 +182,7 @@ def _mpi_row(name: str, rank_var: str, size_var: str | None, local_rank_var: str
     def applies(env: Env) -> bool:
         if env.get(rank_var) in (None, ""):
             return False
-        return not (srun_may_set and _in_srun_step(env, rank_var))
+        return not (srun_may_set and _in_srun_step(env, rank_var, size_var))
 
     return Row(name, (rank_var,), read, f"{rank_var}: ranks meet over MPI", applies)
 
@@ -377,6 +381,20 @@ def detect(env: Env | None = None) -> Detected:
                 f"{other.rank} of {other.size} ({' '.join(other.variables)}); unset the one that "
                 f"does not describe this process")
     return found
+
+
+def mpi_launcher_rank(env: Env | None = None) -> int | None:
+    """This process's rank as an MPI launcher exported it, readable before MPI_Init (the
+    per-rank output wrapper of `hvdlite-run --mpi` prefixes lines with it); None outside one."""
+    env = os.environ if env is None else env
+    for row in applicable(env):
+        try:
+            found = row.read(env)
+        except DetectionError:
+            continue
+        if found.over_mpi:
+            return found.rank
+    return None
 
 
 def slurm_first_node_address(node: str, env: Env | None = None) -> str:

@@ -13,17 +13,14 @@ import subprocess
 import sys
 import threading
 
-
-MPI_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+from hvdlite.common.environment import mpi_launcher_rank
 
 
 def mpi_rank_from_env(default: str = "?") -> str:
     """This process's rank as the MPI launcher exported it (MPICH's Hydra, Open MPI, PMIx,
-    MVAPICH), before MPI_Init."""
-    for var in MPI_RANK_VARIABLES:
-        if os.environ.get(var):
-            return os.environ[var]
-    return default
+    MVAPICH: the environment table's MPI rows), before MPI_Init."""
+    rank = mpi_launcher_rank()
+    return default if rank is None else str(rank)
 
 
 def _pump(src, fd: int, prefix: bytes) -> None:
