@@ -116,6 +116,21 @@ def test_batch_script_without_srun_refuses(cluster, tmp_path):
     assert "not started by srun" in text and "OK rank" not in text, text
 
 
+def test_world_size_of_nodes_under_srun_fails_every_rank(cluster):
+    """A batch script that exported WORLD_SIZE=$SLURM_NNODES and RANK=$SLURM_NODEID, then ran
+    `srun -n 2`: both tasks would be rank 0 of 1. Every rank fails with one line naming both."""
+    proc, out = _run(cluster, ["srun", "-N1", "-n2", "--label", sys.executable,
+                               str(WORKERS / "env_start.py")],
+                     env={"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                          "MASTER_PORT": "29999"})
+    assert proc.returncode != 0, out
+    assert "OK rank" not in out, out
+    for task in (0, 1):
+        assert re.search(rf"^{task}: ValueError: hvdlite.init\(\): two environments disagree: "
+                         rf"SLURM \(srun\) says rank {task} of 2 .* but RANK/WORLD_SIZE "
+                         rf"\(torch env://\) says rank 0 of 1", out, re.M), out
+
+
 class _Lines:
     """A running process's output, read in the background, waited on with a bound."""
 
