@@ -128,7 +128,7 @@ def test_world_size_of_nodes_under_srun_fails_every_rank(cluster):
     for task in (0, 1):
         assert re.search(rf"^{task}: ValueError: hvdlite.init\(\): two environments disagree: "
                          rf"SLURM \(srun\) says rank {task} of 2 .* but RANK/WORLD_SIZE "
-                         rf"\(torch env://\) says rank 0 of 1", out, re.M), out
+                         rf"\(torch env://\) says rank 0 of 1", out, re.MULTILINE), out
 
 
 class _Lines:
