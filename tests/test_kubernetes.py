@@ -125,9 +125,12 @@ def test_mpijob_hostfile_flag(tmp_path):
     runtime = tmp_path / "mpi-hostfile"
     runtime.write_text("job-node-0-0.job.default.svc slots=2\njob-node-0-1.job.default.svc "
                        "slots=2\n")
+    openmpi = tmp_path / "openmpi-hostfile"   # Open MPI's own form, max_slots included
+    openmpi.write_text("# workers\njob-node-0-0.job.default.svc slots=2 max_slots=4\n"
+                       "job-node-0-1.job.default.svc slots=2\n")
     horovod = tmp_path / "horovod-hostfile"
     horovod.write_text("job-node-0-0.job.default.svc:2\njob-node-0-1.job.default.svc:2\n")
-    for path in (runtime, horovod):
+    for path in (runtime, openmpi, horovod):
         proc = subprocess.run([HVDLITE_RUN, "-np", "3", "--hostfile", str(path), "--dry-run",
                                "python", "train.py"], capture_output=True, text=True,
                               env=_pod_env({}), timeout=60, check=False)
