@@ -139,6 +139,9 @@ def test_slurm_task():
     rank0 = detect({**SRUN_TASK3, "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
                     "SLURM_NODEID": "0", "SLURMD_NODENAME": "hvd1"})
     assert rank0.store_is_master and rank0.local_size == 2
+    # Task 0 placed on another node than the step's first (--distribution=arbitrary).
+    with pytest.raises(DetectionError, match="task 0 runs on hvd2, not on the step's first"):
+        detect({**SRUN_TASK3, "SLURM_PROCID": "0"})
 
 
 def test_slurm_batch_script_of_many_tasks_refuses_to_run_alone():

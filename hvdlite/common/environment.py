@@ -257,7 +257,15 @@ def _slurm_task(env: Env) -> Detected:
             raise DetectionError(f"SLURM (srun): task {rank} of {size} but no "
                                  f"SLURM_STEP_NODELIST/SLURM_JOB_NODELIST to find rank 0's node "
                                  f"(saw {' '.join(seen)})")
-        host = env.get("HVDLITE_STORE_ADDR") or expand_hostlist(nodelist)[0]
+        first = expand_hostlist(nodelist)[0]
+        node = env.get("SLURMD_NODENAME")
+        if rank == 0 and node and node != first and not env.get("HVDLITE_STORE_ADDR"):
+            # The other tasks look for rank 0 on the step's first node: they would wait there.
+            raise DetectionError(
+                f"SLURM (srun): task 0 runs on {node}, not on the step's first node {first} "
+                f"(SLURM_STEP_NODELIST={nodelist}; an arbitrary distribution?), where the other "
+                f"tasks look for it; set HVDLITE_STORE_ADDR to {node}'s address in every task")
+        host = env.get("HVDLITE_STORE_ADDR") or first
         port = _int(env, "HVDLITE_STORE_PORT") or slurm_port(job, env.get("SLURM_STEP_ID", "0"))
     return Detected("SLURM (srun)", rank, size, _int(env, "SLURM_LOCALID"), local_size,
                     env.get("SLURMD_NODENAME"), host, port, store_is_master=rank == 0,
