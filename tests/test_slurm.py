@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+import psutil
 import pytest
 import slurm
 from util import HVDLITE_RUN, ROOT, WORKERS, clean_env
@@ -207,4 +208,31 @@ def test_scancel_ends_every_rank(cluster):
     out = lines.text()
     assert code != 0, out
     assert "TIMEOUT" not in out
+    _nothing_left(cluster, marker)
+
+
+def test_sigusr1_to_hvdlite_run_reaches_every_rank(cluster):
+    """hvdlite-run inside salloc passes SIGUSR1 (SLURM's warning before a time limit, `--signal`)
+    to srun, which passes it to every task: the ranks stop together after one step and exit 0."""
+    marker = f"hvdlite-usr1-{os.getpid()}"
+    proc = subprocess.Popen(["salloc", "-N1", "-n2", *_launcher(), "-np", "2", sys.executable,
+                             str(WORKERS / "scheduler_steps.py"), "120", marker],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env(cluster), cwd=str(ROOT))
+    lines = _Lines(proc)
+    try:
+        lines.wait_for(r"<stdout>:RUNNING rank=\d", 2, 150)
+        launcher = psutil.Process(proc.pid).children()     # salloc runs hvdlite-run itself
+        assert len(launcher) == 1 and "-np" in launcher[0].cmdline(), launcher
+        launcher[0].send_signal(signal.SIGUSR1)
+        code = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines.thread.join(10)
+    out = lines.text()
+    assert code == 0, out
+    stopped = lines.matching(r"\[(\d)\]<stdout>:STOPPED rank=(\d) step=(\d+)")
+    assert sorted(int(m.group(2)) for m in stopped) == [0, 1], out
+    assert len({m.group(3) for m in stopped}) == 1, out      # the same step on both ranks
     _nothing_left(cluster, marker)
