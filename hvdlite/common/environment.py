@@ -14,7 +14,7 @@ daemons' SLURM step. So, first to last:
 1. hvdlite-run's elastic worker (the driver assigns rank and size at every init);
 2. hvdlite-run and hvdlite.ray (HVDLITE_RANK ...);
 3. Horovod's variables (HOROVOD_RANK ..., from horovodrun or set by hand);
-4. Open MPI, MPICH/Hydra (PMI), PMIx: ranks meet over MPI;
+4. Open MPI, MPICH/Hydra (PMI), MVAPICH, PMIx: ranks meet over MPI;
 5. torchrun / TorchElastic (TORCHELASTIC_RUN_ID with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*);
 6. a SLURM task started by srun (SLURM_PROCID, SLURM_STEP_NUM_TASKS, ...): rank 0 serves the
    rendezvous on the first node of the step, on a port derived from the job and step ids;
@@ -56,12 +56,12 @@ class Detected:
     """What one row of the table read from the environment."""
 
     source: str                       # the row's name, for messages and the debug log
-    rank: int | None               # None: assigned later (elastic) or by MPI
+    rank: int | None                  # None: assigned later (elastic) or by MPI
     size: int | None
     local_rank: int | None = None
     local_size: int | None = None
-    node: str | None = None        # the node's name, where the environment gives one
-    store_host: str | None = None  # where the job meets; None with size 1 or over MPI
+    node: str | None = None           # the node's name, where the environment gives one
+    store_host: str | None = None     # where the job meets; None with size 1 or over MPI
     store_port: int | None = None
     store_is_master: bool = False     # this process serves the store (rank 0, no launcher)
     store_fd: int | None = None
