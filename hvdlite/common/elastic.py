@@ -27,6 +27,8 @@ import functools
 import inspect
 import logging
 import queue
+import signal
+import threading
 from typing import Any, Callable, Iterable, Optional
 
 from . import basics, config, rendezvous
@@ -36,7 +38,20 @@ from .host_updates import HostUpdateResult  # noqa: F401  (public here, as in Ho
 log = logging.getLogger(__name__)
 
 __all__ = ["State", "ObjectState", "HostUpdateResult", "run_fn", "broadcast_object",
-           "is_elastic", "HorovodInternalError", "HostsUpdatedInterrupt"]
+           "is_elastic", "HorovodInternalError", "HostsUpdatedInterrupt", "StopRequested",
+           "STOP_SIGNALS"]
+
+# Signals that ask a job with durable state to commit, save a checkpoint and exit (a scheduler's
+# preemption notice or time limit, a user's kill).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequested(Exception):
+    """A stop signal reached some rank; raised on every rank at the same commit."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
 
 # Collective names used by the runtime; fixed, so that survivors and new workers agree.
 _AGREE_NAME = "hvdlite.elastic.reset_agreement"
@@ -124,6 +139,10 @@ class State:
         # source of truth (one that finished a commit its peers did not reach).
         self._commit_count = 0
         self._sync_root = 0
+        # Set by a state that saves checkpoints: the stop signals are then caught (by `run`)
+        # and turned into a commit, a save and an exit at the same step on every rank.
+        self._stop_watch = False
+        self._stop_signal = 0
 
     # -- Horovod's public API ------------------------------------------------------------
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], Any]]) -> None:
@@ -147,6 +166,7 @@ class State:
         updates. A collective when elastic: every rank must commit at the same steps."""
         self._commit_count += 1
         self.save()
+        self._after_commit()
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
@@ -165,13 +185,17 @@ class State:
             if timestamp > previous:
                 latest = max(latest, timestamp)
                 flags |= result
-        if is_elastic() and basics.size() > 1:
-            rows = _engine_allgather_int64([latest, flags], _HOSTS_NAME)
+        stop = self._stop_signal
+        if (is_elastic() or self._stop_watch) and basics.size() > 1:
+            rows = _engine_allgather_int64([latest, flags, stop], _HOSTS_NAME)
             latest = max(row[0] for row in rows)
             flags = 0
-            for ts, f in rows:
+            for ts, f, _ in rows:
                 if ts > previous:
                     flags |= f
+            stop = max(row[2] for row in rows)
+        if stop:
+            raise StopRequested(stop)
         if latest > previous:
             self._last_updated_timestamp = latest
             raise HostsUpdatedInterrupt(skip_sync=flags == HostUpdateResult.removed)
@@ -205,6 +229,18 @@ class State:
 
     def reset(self) -> None:
         pass
+
+    # -- durable state (a state that saves checkpoints overrides these) --------------------
+    def _after_commit(self) -> None:
+        """Called by `commit()` after the in-memory save, on every rank at the same step."""
+
+    def _resume(self) -> None:
+        """Called by `run` when the job starts (or re-forms with no member holding the last
+        commit): load the newest complete checkpoint, if any. No collective: in a round with
+        survivors, only the new workers get here."""
+
+    def _save_for_stop(self, signum: int) -> None:
+        """Called on every rank when a stop signal was agreed on, after the last commit."""
 
     # -- runtime -------------------------------------------------------------------------
     def _floor_timestamp(self) -> None:
@@ -276,7 +312,10 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
             link.add_listener(state.on_hosts_updated)
         need_sync = True
         reset_required = False
+        previous = _watch_stop_signals(state)
         try:
+            if link is None or link.round == 1 or link.from_checkpoint:
+                state._resume()
             while True:
                 try:
                     if reset_required:
@@ -295,9 +334,40 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
                     need_sync = True
                 except HostsUpdatedInterrupt as exc:
                     need_sync = need_sync or not exc.skip_sync
+                except StopRequested as exc:
+                    state._save_for_stop(exc.signum)
+                    raise SystemExit(128 + exc.signum) from None
                 reset_required = True
         finally:
+            for signum, handler in previous.items():
+                if handler is not None:
+                    signal.signal(signum, handler)
             if link is not None:
                 link.remove_listener(state.on_hosts_updated)
 
     return wrapper
+
+
+def _watch_stop_signals(state: State) -> dict:
+    """For a state that saves checkpoints: SIGTERM/SIGUSR1 only mark the state, which
+    commits, saves and exits at its next `commit()` on every rank; more of them while that is
+    pending change nothing (a launcher's SIGKILL after its grace period still ends a rank that
+    never commits). A handler that was there before (the flight recorder's dump on SIGUSR1)
+    still runs. Returns the handlers to put back."""
+    if not state._stop_watch or threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {}
+
+    def on_signal(signum, frame):
+        before = previous.get(signum)
+        if callable(before) and signum != signal.SIGTERM:
+            before(signum, frame)
+        if state._stop_signal:
+            return
+        state._stop_signal = signum
+        log.warning("elastic: %s received: committing, saving a checkpoint and exiting at the "
+                    "next commit", signal.Signals(signum).name)
+
+    for signum in STOP_SIGNALS:
+        previous[signum] = signal.signal(signum, on_signal)
+    return previous

@@ -391,6 +391,9 @@ class DriverLink:
         self._updates: list[tuple[int, int]] = []
         self._aborted: dict[int, str] = {}     # round -> why the driver aborted it
         self.suspects: list[int] = []          # hung ranks to report with the next join
+        # The current round has no member that held the last commit: it resumes from the
+        # checkpoint the driver was told of (report_checkpoint).
+        self.from_checkpoint = False
         try:
             sock = socket.create_connection((addr, port), timeout=timeout_s)
             hello = ("HELLO", worker_id, config.raw(ELASTIC_SPAWN_ENV, ""), os.getpid(),
@@ -490,8 +493,18 @@ class DriverLink:
         with self._cond:
             self.round = assignment["round"]
             self.round_serial = assignment["serial"]
+            self.from_checkpoint = bool(assignment.get("from_checkpoint"))
             self._updates = [u for u in self._updates if u[0] > self.round_serial]
         return assignment
+
+
+    def report_checkpoint(self, commit_count: int, path: str) -> None:
+        """Tell the driver a complete checkpoint exists, so that a round with no member
+        holding the last commit may resume from it instead of stopping the job."""
+        try:
+            self.channel.send(("C", int(commit_count), str(path)))   # thread-safe
+        except OSError:
+            pass  # the driver is gone: the link's reader thread handles that
 
 
 _link: Optional[DriverLink] = None

@@ -21,9 +21,18 @@ tells every running worker, with a serial number and added/removed flags; the wo
 at their next `state.commit()` and join the next round. Workers whose slot is no longer wanted
 are told to leave when they ask to join, and exit with status 0.
 
-Failures. A worker that exits non-zero (or is killed) gets its host blacklisted (for the cooldown
-of `--blacklist-cooldown-range`, else for good); its peers see `HorovodInternalError`, roll back
-and join the next round without that host. The job stops with a message and a non-zero exit when
+Failures. A worker that exits non-zero, is killed, hangs or does not start costs its own slot:
+the slot is blacklisted (for the cooldown of `--blacklist-cooldown-range`, else for good) while
+other workers of its host still run, because they hold the last commit and one crashing process
+(an OOM, a bad library on one GPU) says nothing about its host-mates. The whole host is
+blacklisted only when the host itself is gone: unreachable (ssh failed), or every worker on it
+failed. The peers see `HorovodInternalError`, roll back and join the next round without it.
+A re-formed round always holds the last commit: it has a member of an earlier round, or a
+worker reported a complete checkpoint (("C", commit, path), from hvdlite.torch.checkpoint), and
+the round's workers are told to resume from it; otherwise the job stops with one line saying so
+rather than silently training again from step 0. When every worker failed, new workers start
+from such a checkpoint, once per checkpoint (a bug that kills every rank again stops the job).
+The job stops with a message and a non-zero exit when
 the reset limit is exceeded, when fewer than `--min-np` slots stay available for
 `--elastic-timeout` seconds, when the discovery script fails on its first run, or when every
 worker has failed. It succeeds when the workers of the last round finish with status 0.
@@ -134,7 +143,11 @@ class ElasticDriver:
         self.server: Optional[ControlServer] = None
         self.available: "OrderedDict[str, int]" = OrderedDict()
         self.host_order: list[str] = []
-        self.blacklist = Blacklist(spec.cooldown_range)
+        self.blacklist = Blacklist(spec.cooldown_range)         # hosts that are gone
+        self.slot_blacklist = Blacklist(spec.cooldown_range)    # slots ("host:slot") that failed
+        # The newest complete checkpoint a worker reported: (commit count, path), or None.
+        self.checkpoint: Optional[tuple[int, str]] = None
+        self.recovered_from: Optional[tuple[int, str]] = None  # ... once a round resumed from it
         self.workers: dict[str, _Worker] = {}
         self.retired: list[_Worker] = []      # earlier processes of a respawned slot
         self.round = 0
@@ -148,6 +161,7 @@ class ElasticDriver:
         self.failures: list[str] = []
         self.first_failure_code: Optional[int] = None
         self.failed_since_round = False
+        self._recovery_announced = False
         self._stop_discovery = threading.Event()
         self._discovery_error: Optional[str] = None
         # Hung workers: named by the survivors' coordinator (a stall past the shutdown time),
@@ -343,20 +357,29 @@ class ElasticDriver:
             else:
                 w.status = "waiting"
                 self._verbose(f"elastic: {w.wid} asks to join round {self.round + 1}")
+        elif isinstance(msg, tuple) and msg and msg[0] == "C" and len(msg) == 3:
+            if self.checkpoint is None or int(msg[1]) >= self.checkpoint[0]:
+                self.checkpoint = (int(msg[1]), str(msg[2]))
+                self._verbose(f"elastic: checkpoint {msg[2]} (commit {msg[1]}) is complete")
 
     def _evict_named(self, reporter: _Worker, round_: Any, ranks: Any) -> None:
         """A survivor's coordinator found these ranks of `round_` hung (stalled past the stall
         shutdown time)."""
-        for r in ranks:
-            for w in list(self.workers.values()):
-                if w.round == round_ and w.rank == r and w.alive and w.status == "running":
-                    self._evict_hung(w, f"rank {r} made no progress for the stall shutdown time "
-                                        f"({self.hang_limit_s:.0f} s), as its peers' "
-                                        f"coordinator reported")
+        named = [w for r in ranks for w in list(self.workers.values())
+                 if w.round == round_ and w.rank == r and w.alive and w.status == "running"]
+        for w in named:
+            # Named together (a partitioned host's ranks all are): none of them counts as a
+            # host-mate that still answers, so such a host is blacklisted as a whole.
+            w.failed = True
+        for w in named:
+            self._evict_hung(w, f"rank {w.rank} made no progress for the stall shutdown time "
+                                f"({self.hang_limit_s:.0f} s), as its peers' coordinator "
+                                f"reported")
 
     def _evict_hung(self, w: _Worker, why: str) -> None:
         """End a hung worker as a failed one: SIGKILL (a stopped process ignores SIGTERM),
-        blacklist its host with the cooldown, and let the others re-form without it."""
+        blacklist its slot (its host, if nothing else runs there) with the cooldown, and let the
+        others re-form without it."""
         if w.status == "removed" or not w.alive:
             return
         text = f"{w.describe()} hung: {why}"
@@ -365,10 +388,7 @@ class ElasticDriver:
         self.failed_since_round = True
         if self.first_failure_code is None:
             self.first_failure_code = 1
-        delay = self.blacklist.add(w.host)
-        how_long = "for the rest of the job" if delay is None else f"for {delay:.0f} s"
-        self._say(f"elastic: {text}; killing it (SIGKILL) and blacklisting host {w.host} "
-                  f"{how_long}")
+        self._say(f"elastic: {text}; killing it (SIGKILL) and {self._blacklist_failed(w)}")
         w.status = "removed"
         kill(w.proc)
         self._abort_round(w, text)
@@ -430,10 +450,28 @@ class ElasticDriver:
         if self.finishing:
             self._say(f"elastic: {text}")
             return
-        delay = self.blacklist.add(w.host)
-        how_long = "for the rest of the job" if delay is None else f"for {delay:.0f} s"
-        self._say(f"elastic: {text}; blacklisting host {w.host} {how_long}")
+        unreachable = remote and code == 255   # ssh itself failed: the host is gone
+        self._say(f"elastic: {text}; {self._blacklist_failed(w, unreachable)}")
         self._abort_round(w, text)
+
+    def _blacklist_failed(self, w: _Worker, unreachable: bool = False) -> str:
+        """Blacklist what a failed worker says is broken, and say what that was.
+
+        Its slot, while another worker of its host still runs: those host-mates hold the last
+        commit, and dismissing them with the host would lose every committed step. Its host,
+        when the host is unreachable or no worker on it is left (every one failed or exited).
+        """
+        mates = [o for o in self.workers.values()
+                 if o is not w and o.host == w.host and o.alive and not o.failed
+                 and not o.done.is_set() and o.status != "removed"]
+        if unreachable or not mates:
+            if self.blacklist.is_blacklisted(w.host):
+                return f"host {w.host} is blacklisted already"
+            what, delay = f"host {w.host}", self.blacklist.add(w.host)
+        else:
+            what, delay = f"slot {w.wid}", self.slot_blacklist.add(w.wid)
+        how_long = "for the rest of the job" if delay is None else f"for {delay:.0f} s"
+        return f"blacklisting {what} {how_long}"
 
     # ------------------------------------------------------------------ decisions
     def _advance(self) -> None:
@@ -441,14 +479,22 @@ class ElasticDriver:
         now = time.monotonic()
         for host in self.blacklist.expired(now):
             self._say(f"elastic: host {host} is back after its blacklist cooldown")
+        for wid in self.slot_blacklist.expired(now):
+            self._say(f"elastic: slot {wid} is back after its blacklist cooldown")
         if self.finishing:
             self._finish()
             return
         live = self._live()
         if self._all_failed():
-            self._stop(f"elastic: every worker has failed; the last error: {self.failures[-1]}",
-                       self.first_failure_code or 1)
-            return
+            if self.checkpoint is None or self.checkpoint == self.recovered_from:
+                self._stop(f"elastic: every worker has failed; the last error: "
+                           f"{self.failures[-1]}", self.first_failure_code or 1)
+                return
+            if not self._recovery_announced:
+                # Once per checkpoint: a bug that kills every rank again stops the job.
+                self._recovery_announced = True
+                self._say(f"elastic: every worker has failed; new workers will resume from "
+                          f"checkpoint {self.checkpoint[1]} (commit {self.checkpoint[0]})")
         target = self._target(now)
         # Workers that never joined and whose slot is no longer wanted: stop them now.
         for w in live:
@@ -467,7 +513,8 @@ class ElasticDriver:
         # Too few slots (whatever the workers are doing): wait for more, --elastic-timeout long.
         needed = self.spec.num_proc if self.round == 0 else self.spec.min_np
         if len(target) < needed:
-            if getattr(self.spec.discovery, "fixed", False) and not self.blacklist.returns():
+            if getattr(self.spec.discovery, "fixed", False) and not self.blacklist.returns() \
+                    and not self.slot_blacklist.returns():
                 # A fixed host list gains no slots, and no blacklisted host comes back: waiting
                 # --elastic-timeout (600 s) cannot help.
                 self._stop(f"elastic: only {len(target)} slots left but {needed} needed "
@@ -505,6 +552,10 @@ class ElasticDriver:
         members = [w for w in waiting if w.wid in target]
         if len(members) < needed or not members:
             return
+        from_checkpoint = self.round > 0 and not any(w.round is not None for w in members)
+        if from_checkpoint and self.checkpoint is None:
+            self._stop(self._state_lost_text(), EXIT_STOPPED)
+            return
         if self.round > 0:
             limit = self.spec.reset_limit
             if limit is not None and self.resets >= limit:
@@ -512,7 +563,13 @@ class ElasticDriver:
                            f"--reset-limit is {limit}; stopping", EXIT_STOPPED)
                 return
             self.resets += 1
-        self._form_round([w.wid for w in members], target)
+        if from_checkpoint:
+            self._say(f"elastic: no worker left holds the last commit; round {self.round + 1} "
+                      f"resumes from checkpoint {self.checkpoint[1]} (commit "
+                      f"{self.checkpoint[0]})")
+            self.recovered_from = self.checkpoint
+            self._recovery_announced = False
+        self._form_round([w.wid for w in members], target, from_checkpoint)
 
     def _all_failed(self) -> bool:
         """No worker left, and every worker of the last round (or, before the first round,
@@ -524,6 +581,13 @@ class ElasticDriver:
         else:
             group = [self.workers[wid] for wid in self.plan if wid in self.workers]
         return bool(group) and all(w.failed for w in group)
+
+    def _state_lost_text(self) -> str:
+        """Why a round with only fresh workers may not form: they would train from step 0."""
+        held = [wid for wid in self.plan]
+        return (f"elastic: no worker left holds the last commit (round {self.round}'s workers "
+                f"{', '.join(held)} are gone) and no checkpoint was saved; stopping instead of "
+                f"restarting from step 0 (give the state a checkpoint_dir to resume from disk)")
 
     def _needed_flag(self) -> str:
         return f"-np {self.spec.num_proc}" if self.round == 0 else f"--min-np {self.spec.min_np}"
@@ -541,14 +605,15 @@ class ElasticDriver:
         kept = []
         for wid, _ in sorted(self.plan.items(), key=lambda kv: kv[1]["rank"]):
             host, slot = self._split(wid)
-            if host in slots and slot < slots[host]:
+            if host in slots and slot < slots[host] \
+                    and not self.slot_blacklist.is_blacklisted(wid, now):
                 kept.append(wid)
         target = list(kept)
         taken = set(kept)
         for h in usable:
             for i in range(slots[h]):
                 wid = f"{h}:{i}"
-                if wid not in taken:
+                if wid not in taken and not self.slot_blacklist.is_blacklisted(wid, now):
                     target.append(wid)
                     taken.add(wid)
         if self.spec.max_np is not None:
@@ -614,7 +679,8 @@ class ElasticDriver:
                 rank += 1
         return out
 
-    def _form_round(self, members: list[str], target: list[str]) -> None:
+    def _form_round(self, members: list[str], target: list[str],
+                    from_checkpoint: bool = False) -> None:
         assignments = self._assign(members)
         self.round += 1
         self.plan = {wid: a for wid, a in assignments}
@@ -623,7 +689,8 @@ class ElasticDriver:
         for wid, a in assignments:
             w = self.workers[wid]
             w.status, w.rank, w.round = "running", a["rank"], self.round
-            payload = dict(a, round=self.round, serial=self.serial)
+            payload = dict(a, round=self.round, serial=self.serial,
+                           from_checkpoint=from_checkpoint)
             if w.conn is None or not w.conn.send(("A", payload)):
                 pass  # it died meanwhile: its exit is a failure and the round re-forms
         layout = ", ".join(f"{wid}={a['rank']}" for wid, a in assignments)
@@ -686,9 +753,7 @@ class ElasticDriver:
         w.failed = True
         if self.first_failure_code is None:
             self.first_failure_code = 1
-        delay = self.blacklist.add(w.host)
-        how_long = "for the rest of the job" if delay is None else f"for {delay:.0f} s"
-        self._say(f"elastic: {text}; stopping it and blacklisting host {w.host} {how_long}")
+        self._say(f"elastic: {text}; stopping it and {self._blacklist_failed(w)}")
         w.status = "removed"
         kill(w.proc)
 
@@ -758,6 +823,10 @@ class ElasticDriver:
         parts = []
         for h, n in self.available.items():
             mark = " (blacklisted)" if self.blacklist.is_blacklisted(h, now) else ""
+            out = [f"{h}:{i}" for i in range(n)
+                   if self.slot_blacklist.is_blacklisted(f"{h}:{i}", now)]
+            if out and not mark:
+                mark = f" (slot{'s' if len(out) > 1 else ''} {', '.join(out)} blacklisted)"
             parts.append(f"{h}:{n}{mark}")
         return ", ".join(parts) or "(none)"
 

@@ -174,10 +174,27 @@ class TorchState(ObjectState):
     Modules, optimizers and `ElasticSampler`s (as `model`, `optimizer` or any keyword) are saved
     by deep-copying their state_dict and synced by broadcasting tensors; every other keyword is a
     plain attribute (`state.epoch`), deep-copied on commit.
+
+    Durable state: with `checkpoint_dir`, every `checkpoint_every`-th commit also saves a
+    checkpoint there (`hvdlite.torch.checkpoint`, asynchronous, the newest `checkpoint_keep`
+    kept), `hvd.elastic.run` resumes from the newest complete one when the job starts, and a
+    SIGTERM or SIGUSR1 makes every rank commit, save and exit (status 128 + the signal) at the
+    next commit.
     """
 
     def __init__(self, model: Optional[torch.nn.Module] = None,
-                 optimizer: Optional[torch.optim.Optimizer] = None, **kwargs: Any) -> None:
+                 optimizer: Optional[torch.optim.Optimizer] = None, *,
+                 checkpoint_dir: Optional[str] = None, checkpoint_every: Optional[int] = None,
+                 checkpoint_keep: int = 2, **kwargs: Any) -> None:
+        if checkpoint_every is not None and (not isinstance(checkpoint_every, int)
+                                             or checkpoint_every < 1):
+            raise ValueError(f"TorchState: checkpoint_every must be a positive number of "
+                             f"commits, got {checkpoint_every!r}")
+        if checkpoint_every is not None and checkpoint_dir is None:
+            raise ValueError("TorchState: checkpoint_every needs a checkpoint_dir to save to")
+        object.__setattr__(self, "_checkpoint_dir", checkpoint_dir)
+        object.__setattr__(self, "_checkpoint_every", checkpoint_every)
+        object.__setattr__(self, "_checkpoint_keep", checkpoint_keep)
         kwargs.update(model=model, optimizer=optimizer)
         handlers: dict[str, StateHandler] = {}
         plain: dict[str, Any] = {}
@@ -193,6 +210,7 @@ class TorchState(ObjectState):
         for name, handler in handlers.items():
             object.__setattr__(self, name, handler.value)
         super().__init__(**plain)
+        self._stop_watch = checkpoint_dir is not None
 
     def __setattr__(self, name: str, value: Any) -> None:
         handlers = self.__dict__.get("_handlers")
@@ -232,3 +250,65 @@ class TorchState(ObjectState):
     def reset(self) -> None:
         for handler in self._handlers.values():
             handler.reset()
+
+    # -- durable state ----------------------------------------------------------------------
+    def _checkpoint_path(self) -> str:
+        import os
+
+        return os.path.join(self._checkpoint_dir, f"commit-{self._commit_count:08d}")
+
+    def save_checkpoint(self, async_: bool = True) -> Optional[str]:
+        """Save the committed state to `checkpoint_dir` now (a collective). Returns the path,
+        or None when it failed (logged on every rank; training goes on)."""
+        from .. import checkpoint
+        from ...common import rendezvous
+
+        path = self._checkpoint_path()
+        link = rendezvous.driver_link()
+        count = self._commit_count
+        on_complete = None if link is None else (lambda p: link.report_checkpoint(count, p))
+        try:
+            checkpoint.save(self, path, async_=async_, keep=self._checkpoint_keep,
+                            extra={"commit_count": count}, on_complete=on_complete)
+        except checkpoint.CheckpointError as exc:
+            log.error("elastic: %s", exc)
+            return None
+        return path
+
+    def _after_commit(self) -> None:
+        if self._checkpoint_every is not None \
+                and self._commit_count % self._checkpoint_every == 0:
+            self.save_checkpoint()
+
+    def _resume(self) -> None:
+        if self._checkpoint_dir is None:
+            return
+        from .. import checkpoint
+
+        found = checkpoint.latest(self._checkpoint_dir)
+        if found is None:
+            log.info("elastic: no checkpoint in %s yet; starting from the initial state",
+                     self._checkpoint_dir)
+            return
+        checkpoint.load(found, self)
+        log.warning("elastic: resumed from checkpoint %s (commit %d)", found, self._commit_count)
+
+    def _save_for_stop(self, signum: int) -> None:
+        import signal as _signal
+
+        from .. import checkpoint
+        from ..mpi_ops import rank
+
+        checkpoint.wait()
+        path = self.save_checkpoint(async_=False)
+        name = _signal.Signals(signum).name
+        if rank() == 0:
+            if path is None:
+                print(f"hvdlite: stopped by {name} at commit {self._commit_count}; the "
+                      f"checkpoint could not be saved (see the error above); the newest "
+                      f"complete one in {self._checkpoint_dir} is kept", flush=True)
+            else:
+                print(f"hvdlite: stopped by {name} at commit {self._commit_count}; saved "
+                      f"{path}; to resume, run the same command again: hvd.elastic.run "
+                      f"resumes from the newest complete checkpoint in {self._checkpoint_dir}",
+                      flush=True)
