@@ -6,6 +6,7 @@ what the ranks computed against the sums computed here.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -236,3 +237,50 @@ def test_sigusr1_to_hvdlite_run_reaches_every_rank(cluster):
     assert sorted(int(m.group(2)) for m in stopped) == [0, 1], out
     assert len({m.group(3) for m in stopped}) == 1, out      # the same step on both ranks
     _nothing_left(cluster, marker)
+
+
+@pytest.mark.timeout(480)
+def test_elastic_job_sent_sigusr1_by_slurm_commits_exits_and_resumes(cluster, tmp_path):
+    """`scancel --signal=USR1` (what `--signal=USR1@120` does before a time limit) reaches every
+    rank of an hvdlite-run job inside salloc: the durable elastic state commits, saves, exits
+    128 + SIGUSR1 saying how to resume, and the same command resumes from that checkpoint and
+    finishes with the weights of uninterrupted training, no committed step done twice."""
+    from test_elastic import check_exact, elastic_train
+
+    total = 40
+    env = {"ELASTIC_TOTAL_STEPS": str(total), "ELASTIC_COMMIT_EVERY": "2",
+           "ELASTIC_STEP_DELAY": "0.05", "ELASTIC_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+           "ELASTIC_CHECKPOINT_EVERY": "3", "ELASTIC_STEP_LOG": str(tmp_path / "steps.log")}
+    command = ["salloc", "-N1", "-n2", *_launcher(), "-np", "2", sys.executable,
+               str(WORKERS / "elastic_train.py")]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**_env(cluster), **env}, cwd=str(ROOT))
+    lines = _Lines(proc)
+    log = tmp_path / "steps.log"
+    try:
+        deadline = time.monotonic() + 150
+        while not (log.exists() and "commit 8 " in log.read_text()):
+            assert time.monotonic() < deadline and proc.poll() is None, lines.text()
+            time.sleep(0.2)
+        jobs = cluster.jobs()
+        assert len(jobs) == 1, jobs
+        subprocess.run(["scancel", "--signal=USR1", jobs[0].split()[0]], env=_env(cluster),
+                       check=True, timeout=30)
+        code = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines.thread.join(10)
+    out = lines.text()
+    assert code == 128 + signal.SIGUSR1, out
+    assert re.search(r"hvdlite: stopped by SIGUSR1 at commit \d+; saved .*commit-\d+; to "
+                     r"resume, run the same command again", out), out
+    _nothing_left(cluster, str(WORKERS / "elastic_train.py"))
+
+    again, out = _run(cluster, command, env=env, timeout=300)
+    assert again.returncode == 0, out
+    assert "elastic: resumed from checkpoint" in out, out
+    result = json.loads(out.split("<stdout>:RESULT ", 1)[1].splitlines()[0])
+    check_exact(result, total)
+    assert elastic_train.steps_lost(log.read_text()) == []
+    _nothing_left(cluster, str(WORKERS / "elastic_train.py"))

@@ -405,6 +405,20 @@ def mpi_launcher_rank(env: Env | None = None) -> int | None:
     return None
 
 
+def launcher_rank(env: Env | None = None) -> int | None:
+    """This process's rank as the first row that knows one says, without the checks `detect`
+    makes (per-rank output wrappers use it before init)."""
+    env = os.environ if env is None else env
+    for row in applicable(env):
+        try:
+            found = row.read(env)
+        except DetectionError:
+            continue
+        if found.rank is not None:
+            return found.rank
+    return None
+
+
 def slurm_first_node_address(node: str, env: Env | None = None) -> str:
     """An address of SLURM node `node`: its name where DNS knows it, else the NodeAddr that
     `scontrol show node` reports (clusters whose NodeName is not a host name)."""

@@ -1,11 +1,10 @@
 """hvdlite-run inside a SLURM allocation (salloc, sbatch): hosts from the allocation, ranks by srun.
 
 As horovodrun does with jsrun under LSF, the launcher hands the start to the scheduler's own
-launcher, so the ranks are under SLURM's control: its signals, accounting, cgroups and
-`--kill-on-bad-exit`. Each task finds its rank in SLURM's variables (common/environment.py,
+launcher, so the ranks are under SLURM's control: its signals, accounting and cgroups. Each task finds its rank in SLURM's variables (common/environment.py,
 the "SLURM (srun)" row) and rank 0 serves the rendezvous; the launcher only adds the job secret
-and the rendezvous address to the environment srun passes on, and turns srun's `--label`ed
-output into the prefixes every other hvdlite-run job prints (`[rank]<stdout>:`).
+and the rendezvous address to the environment srun passes on; each task runs under the per-rank
+wrapper that prints the prefixes every other hvdlite-run job prints (`[rank]<stdout>:`).
 """
 from __future__ import annotations
 
@@ -15,10 +14,8 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO
 
 from hvdlite.common.environment import DetectionError, slurm_first_node_address
 from hvdlite.common.hostlist import HostlistError, expand_counts, expand_hostlist
@@ -78,7 +75,12 @@ def allocation(environ: Mapping[str, str] | None = None) -> Allocation | None:
 def srun_command(alloc: Allocation, num_proc: int, command: Sequence[str],
                  srun: str = "srun") -> list:
     """The srun line that starts `num_proc` ranks filling the allocation's nodes in order, as
-    hvdlite-run places ranks on a host list."""
+    hvdlite-run places ranks on a host list. Each task's output is prefixed by the per-rank
+    wrapper (runner/mpi_rank.py), whole lines at a time: srun's --label cuts lines longer than
+    about 1 KiB into labelled pieces. Not
+    --kill-on-bad-exit: a rank that exits on purpose with a status (an elastic job stopped by a
+    signal exits 128 + it after saving) would have its peers killed mid-exit; a rank that fails
+    makes the others fail on their own, as in every hvdlite job."""
     if num_proc > sum(h.slots for h in alloc.hosts):
         raise HostError(too_few_slots_message(num_proc, alloc.hosts)
                         + f" (SLURM allocation {alloc.job_id})")
@@ -87,8 +89,7 @@ def srun_command(alloc: Allocation, num_proc: int, command: Sequence[str],
         if slot.hostname not in used:
             used.append(slot.hostname)
     return [srun, f"--ntasks={num_proc}", f"--nodes={len(used)}", f"--nodelist={','.join(used)}",
-            "--distribution=block", "--kill-on-bad-exit=1", "--label", "--unbuffered",
-            *command]
+            "--distribution=block", sys.executable, "-m", "hvdlite.runner.mpi_rank", *command]
 
 
 def srun_env(alloc: Allocation, base: Mapping[str, str], start_timeout: int) -> dict:
@@ -106,17 +107,6 @@ def srun_env(alloc: Allocation, base: Mapping[str, str], start_timeout: int) -> 
     return env
 
 
-_LABEL = re.compile(r"^\s*(\d+): ?(.*)$", re.DOTALL)
-
-
-def _relabel(stream: IO[str], out: IO[str], kind: str) -> None:
-    for line in stream:
-        m = _LABEL.match(line)
-        text = f"[{m.group(1)}]<{kind}>:{m.group(2)}" if m else line
-        out.write(text if text.endswith("\n") else text + "\n")
-        out.flush()
-
-
 def run_srun(argv: list, env: Mapping[str, str], verbose: bool = False) -> int:
     """Run the srun line; SIGINT/SIGTERM/SIGUSR1 reach srun (which passes them to the tasks).
     Returns srun's exit status (128 + signal where srun itself was killed)."""
@@ -124,17 +114,10 @@ def run_srun(argv: list, env: Mapping[str, str], verbose: bool = False) -> int:
         print(f"hvdlite-run: {' '.join(shlex.quote(a) for a in argv)}", file=sys.stderr,
               flush=True)
     try:
-        proc = subprocess.Popen(argv, env=dict(env), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, errors="replace")
+        proc = subprocess.Popen(argv, env=dict(env))
     except OSError as exc:
         print(f"hvdlite-run: cannot start {argv[0]}: {exc}", file=sys.stderr, flush=True)
         return 127
-    pumps = [threading.Thread(target=_relabel, args=(proc.stdout, sys.stdout, "stdout"),
-                              daemon=True),
-             threading.Thread(target=_relabel, args=(proc.stderr, sys.stderr, "stderr"),
-                              daemon=True)]
-    for t in pumps:
-        t.start()
 
     def forward(signum, frame):
         if proc.poll() is None:
@@ -147,6 +130,4 @@ def run_srun(argv: list, env: Mapping[str, str], verbose: bool = False) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    for t in pumps:
-        t.join(10)
     return code if code >= 0 else 128 - code
