@@ -266,7 +266,10 @@ def test_elastic_job_sent_sigusr1_by_slurm_commits_exits_and_resumes(cluster, tm
         assert len(jobs) == 1, jobs
         subprocess.run(["scancel", "--signal=USR1", jobs[0].split()[0]], env=_env(cluster),
                        check=True, timeout=30)
-        code = proc.wait(120)
+        try:
+            code = proc.wait(180)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the job did not stop:\n" + lines.text()) from None
     finally:
         if proc.poll() is None:
             proc.kill()
