@@ -23,6 +23,7 @@ from .backends import select, shm
 from .config import Settings
 from .controller import Coordinator
 from .engine import Engine
+from .environment import Detected, DetectionError, detect
 from .exceptions import HorovodInternalError
 from . import process_sets
 from .process_sets import ProcessSet, global_process_set
@@ -130,9 +131,13 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 def _init_once(comm: Any, settings: Settings, dynamic: bool, static: list[ProcessSet],
                transport: str) -> "_State":
     global _generation
+    found = _detect(comm)
     world = select.mpi_world(transport, comm)
-    ident = mpi_backend.identity(world) if world is not None else rendezvous.identify()
+    ident = mpi_backend.identity(world) if world is not None else rendezvous.identify(found)
     logs.set_rank(ident.rank)
+    _check_mpi_world(found, ident, comm)
+    log.debug("hvdlite.init: rank %s of %s from %s (%s)", ident.rank, ident.size, found.source,
+              " ".join(found.variables) or "no variables")
     if ident.size > 1 or ident.store_host is not None:
         for ps in static:
             bad = [r for r in ps.ranks if not 0 <= r < ident.size]
@@ -147,7 +152,7 @@ def _init_once(comm: Any, settings: Settings, dynamic: bool, static: list[Proces
         naming.reset()
     state = _State()
     try:
-        _join(state, ident, world, settings, dynamic, static, transport, prefix)
+        _join(state, ident, world, settings, dynamic, static, transport, prefix, found)
     except Exception as exc:
         if state.coordinator is not None:
             state.coordinator.stop()
@@ -160,7 +165,7 @@ def _init_once(comm: Any, settings: Settings, dynamic: bool, static: list[Proces
 
 
 def _join(state: "_State", ident: Any, world: Any, settings: Settings, dynamic: bool,
-          static: list[ProcessSet], transport: str, prefix: str) -> None:
+          static: list[ProcessSet], transport: str, prefix: str, found: Detected) -> None:
     if world is None:
         store = rendezvous.connect_store(ident, settings.start_timeout_s)
     else:
@@ -219,6 +224,7 @@ def _join(state: "_State", ident: Any, world: Any, settings: Settings, dynamic: 
         peer_listener.close()
         raise HorovodInternalError(reply[1])
     topo = reply[1]
+    _check_topology(found, ident, topo)
     state.topology = topo
     set_ranks = {0: list(range(ident.size))}
     for ps, sid in zip(static, topo["process_set_ids"]):
@@ -241,6 +247,48 @@ def _join(state: "_State", ident: Any, world: Any, settings: Settings, dynamic: 
                           timeline=timeline, peer_listener=peer_listener, key=key,
                           peers=topo.get("peers"), peer_nonce=peer_nonce)
     state.transport = transport
+
+
+def _detect(comm) -> Detected:
+    """The environment table's reading of this process (environment.py); its errors become
+    the ValueError init() raises, naming the variables."""
+    if comm is not None:
+        return Detected("MPI communicator passed to init()", None, None,
+                                    over_mpi=True, launcher=True)
+    try:
+        return detect()
+    except DetectionError as exc:
+        raise ValueError(f"hvdlite.init(): {exc}") from None
+
+
+def _check_mpi_world(found: Detected, ident, comm) -> None:
+    """A job meeting over MPI whose world is not the size the environment says: MPI_Init ran
+    as a singleton (an MPI library that cannot reach this launcher's PMI), and each rank would
+    train alone."""
+    if comm is not None or ident.source != "MPI" or found.size is None or \
+            found.size == ident.size:
+        return
+    raise ValueError(
+        f"hvdlite.init(): {found.source} says {found.size} ranks ({' '.join(found.variables)}) "
+        f"but MPI's world has {ident.size}: this MPI library cannot reach the launcher that "
+        f"started the job (for srun, match --mpi to the MPI build, or use "
+        f"HOROVOD_CPU_OPERATIONS=gloo).")
+
+
+def _check_topology(found: Detected, ident, topo: dict) -> None:
+    """The local coordinates the environment gave against those the ranks' host names give:
+    apart, two hosts share a name (containers with one hostname) and GPUs would be shared."""
+    if found.local_rank is None or found.source == "single process":
+        return
+    mine = (found.local_rank, found.local_size if found.local_size is not None
+            else topo.get("local_size"))
+    theirs = (topo.get("local_rank"), topo.get("local_size"))
+    if mine != theirs:
+        raise HorovodInternalError(
+            f"rank {ident.rank}: {found.source} says local rank {mine[0]} of {mine[1]} but the "
+            f"ranks' host names ({ident.hostname!r}) make it local rank {theirs[0]} of "
+            f"{theirs[1]}; give each host its own name (HVDLITE_HOSTNAME) or fix the launcher's "
+            f"variables")
 
 
 def _settings_for_host(settings: Settings, local_ranks: int, shared_memory: bool,

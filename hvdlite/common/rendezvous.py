@@ -1,6 +1,7 @@
 """Where a rank learns who it is and where the job's c10d store lives.
 
-Four ways in, in this order:
+Which environment started the process is read from one table (common/environment.py, whose
+doc gives the precedence); the ways hvdlite-run itself starts ranks are:
 
 - an elastic worker of `hvdlite-run` (HVDLITE_ELASTIC_WORKER set): its identity is not in the
   environment, because it changes whenever the job re-forms. At every `init()` the worker asks the
@@ -10,10 +11,8 @@ Four ways in, in this order:
   the launcher only opens the store's listening socket and hands it to rank 0
   (HVDLITE_STORE_FD), whose `init()` serves the store on it; the launcher itself then never
   imports torch (hvdlite/runner/driver.py, `Rendezvous`);
-- Horovod's (HOROVOD_RANK, ..., HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT);
-- torchrun's (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
-
-With none of them the process is a one-rank job, as `python train.py` is under Horovod.
+- without hvdlite-run (Horovod's variables, torchrun, srun, Kubeflow, Ray), rank 0 serves the
+  store at the address the environment names.
 
 The driver link also carries the driver's host-update notifications to the elastic runtime
 (hvdlite/common/elastic.py). Its handshake (`server_handshake` / `client_handshake`, used by the
@@ -35,7 +34,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from . import config
+from . import config, environment
 from .exceptions import HorovodInternalError
 from .wire import Channel, ProtocolError
 
@@ -75,45 +74,33 @@ def _int(name: str) -> int | None:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def identify() -> Identity:
+def identify(found: Optional[environment.Detected] = None) -> Identity:
+    """This process's place in the job, from the environment table (common/environment.py)
+    or, for an elastic worker, from the driver."""
+    found = environment.detect() if found is None else found
     hostname = (config.raw("HVDLITE_HOSTNAME") or config.raw("HOROVOD_HOSTNAME")
-                or socket.gethostname())
-    if is_elastic_worker():
+                or found.node or socket.gethostname())
+    if found.elastic:
         return _identify_elastic(hostname)
-    rank = _int("HVDLITE_RANK")
-    if rank is not None:
-        size = _int("HVDLITE_SIZE")
-        host = config.raw("HVDLITE_STORE_ADDR")
-        port = _int("HVDLITE_STORE_PORT")
-        if size is None or host is None or port is None:
-            raise ValueError("HVDLITE_RANK is set but HVDLITE_SIZE, HVDLITE_STORE_ADDR or "
-                             "HVDLITE_STORE_PORT is missing; start the job with hvdlite-run.")
-        store_fd = _int(STORE_FD_ENV) if rank == 0 else None
-        return Identity(rank, size, host, port, store_fd is not None, "hvdlite-run", hostname,
-                        store_fd=store_fd)
-    rank = _int("HOROVOD_RANK")
-    if rank is not None:
-        size = _int("HOROVOD_SIZE")
-        if size is None:
-            raise ValueError("HOROVOD_RANK is set but HOROVOD_SIZE is not.")
-        host = config.raw("HOROVOD_GLOO_RENDEZVOUS_ADDR")
-        port = _int("HOROVOD_GLOO_RENDEZVOUS_PORT")
-        if size > 1 and (host is None or port is None):
-            raise ValueError("HOROVOD_RANK/HOROVOD_SIZE are set but HOROVOD_GLOO_RENDEZVOUS_ADDR/"
-                             "HOROVOD_GLOO_RENDEZVOUS_PORT are not: set them to rank 0's address "
-                             "and a free port (rank 0 serves the rendezvous there).")
-        return Identity(rank, size, host, port, rank == 0, "HOROVOD_* environment", hostname)
-    rank = _int("RANK")
-    if rank is not None and _int("WORLD_SIZE") is not None:
-        size = _int("WORLD_SIZE")
-        host = os.environ.get("MASTER_ADDR")
-        port = _int("MASTER_PORT")
-        if size > 1 and (host is None or port is None):
-            raise ValueError("RANK/WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not.")
-        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        return Identity(rank, size, host, port, rank == 0 and not agent, "torchrun environment",
+    if found.over_mpi:
+        # Here only when MPI cannot be used (basics meets over MPI where it can): more than one
+        # rank must not carry on as many one-rank jobs.
+        if found.size is None or found.size > 1:
+            raise ValueError(
+                f"this process was started by {found.source} ({' '.join(found.variables)}) but "
+                f"hvdlite cannot use MPI here (mpi4py or an MPI library is missing: pip install "
+                f"mpi4py mpich), so it cannot meet the other ranks. Install them, or start the "
+                f"job with hvdlite-run.")
+        return Identity(0, 1, None, None, False, found.source, hostname)
+    if found.size is None or found.size <= 1 or not found.store_host:
+        return Identity(found.rank or 0, found.size or 1, found.store_host, found.store_port,
+                        found.store_is_master and bool(found.store_host), found.source,
                         hostname)
-    return Identity(0, 1, None, None, False, "single process", hostname)
+    host = found.store_host
+    if found.source == "SLURM (srun)":
+        host = environment.slurm_first_node_address(host)
+    return Identity(found.rank, found.size, host, found.store_port, found.store_is_master,
+                    found.source, hostname, store_fd=found.store_fd)
 
 
 def store_prefix(ident: Identity, generation: int) -> str:

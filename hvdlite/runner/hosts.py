@@ -70,7 +70,9 @@ def parse_hosts(text: str) -> list[HostSpec]:
 
 
 def parse_hostfile(path: str) -> list[HostSpec]:
-    """Parse a hostfile: `host slots=N`, `host:N` or `host` per line; `#` starts a comment."""
+    """Parse a hostfile: `host slots=N` (Open MPI's, and the MPI runtime's /etc/mpi/hostfile;
+    a `max_slots=M` after it is Open MPI's oversubscription bound, not a slot count, and is
+    ignored), `host:N` (horovodrun's, MPICH's) or `host` per line; `#` starts a comment."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.readlines()
@@ -82,7 +84,7 @@ def parse_hostfile(path: str) -> list[HostSpec]:
         if not line:
             continue
         where = f"hostfile {path} line {lineno}"
-        m = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\S+)", line)
+        m = re.fullmatch(r"(\S+)\s+slots\s*=\s*(\S+)(?:\s+max[-_]slots\s*=\s*\d+)?", line)
         if m:
             if not m.group(2).isdigit() or int(m.group(2)) < 1:
                 raise HostError(f"{where}: slots must be a positive integer, got {line!r}")

@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Also write each rank's output to DIR/rank.<N>/{stdout,stderr}.")
     p.add_argument("--verbose", dest="verbose", action="store_true",
                    help="Print what the launcher does.")
+    p.add_argument("--dry-run", dest="dry_run", action="store_true",
+                   help="Print the detected environment (SLURM allocation, hostfile), the hosts, "
+                        "the ranks per host and the exact commands that would run, then exit.")
     p.add_argument("--config-file", dest="config_file", metavar="YAML",
                    help="YAML file with tuning parameters; command-line flags win over it.")
     p.add_argument("command", nargs=argparse.REMAINDER, help="Command to run on every rank.")
@@ -210,7 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("-H", "--hosts", dest="hosts", metavar="HOST:SLOTS[,...]",
                        help="Hosts and slots, e.g. host1:2,host2:4 (default localhost:<np>).")
     hosts.add_argument("-hostfile", "--hostfile", dest="hostfile",
-                       help="File with one '<host> slots=<n>' per line.")
+                       help="File with one '<host> slots=<n>' (the MPI runtime's, e.g. "
+                            "/etc/mpi/hostfile) or '<host>:<n>' per line. Without -H or "
+                            "--hostfile: inside a SLURM allocation its nodes, started by srun; "
+                            "with OMPI_MCA_orte_default_hostfile set (Kubeflow's MPIJob), that "
+                            "file.")
     hosts.add_argument("--host-discovery-script", dest="host_discovery_script",
                        help="Script printing available hosts (enables elastic mode).")
 
@@ -401,11 +408,19 @@ def check_args(args: argparse.Namespace, need_command: bool = True,
         if args.max_num_proc is not None and args.num_proc > args.max_num_proc:
             raise UsageError(f"argument -np/--num-proc: {args.num_proc} is larger than "
                              f"--max-np {args.max_num_proc}")
+    args.slurm = None
+    args.host_source = None
     try:
+        if not args.hosts and not args.hostfile and not args.host_discovery_script:
+            _hosts_from_environment(args, environ)
         if args.hosts:
             args.host_list = parse_hosts(args.hosts)
+            args.host_source = "-H/--hosts"
         elif args.hostfile:
             args.host_list = parse_hostfile(args.hostfile)
+            args.host_source = args.host_source or f"hostfile {args.hostfile}"
+        elif args.slurm is not None:
+            args.host_list = list(args.slurm.hosts)
         elif args.num_proc is not None and not args.host_discovery_script:
             args.host_list = [HostSpec("localhost", max(args.num_proc, args.max_num_proc or 0)
                                        if args.elastic else args.num_proc)]
@@ -415,7 +430,8 @@ def check_args(args: argparse.Namespace, need_command: bool = True,
     except HostError as e:
         raise UsageError(str(e)) from None
     if not args.elastic and args.num_proc > total_slots(args.host_list):
-        raise UsageError(too_few_slots_message(args.num_proc, args.host_list))
+        where = f" ({args.slurm.describe()})" if args.slurm is not None else ""
+        raise UsageError(too_few_slots_message(args.num_proc, args.host_list) + where)
     if args.elastic and not args.host_discovery_script:
         # Fixed hosts never gain slots: waiting for more (horovodrun waits --elastic-timeout,
         # 600 s, then fails) cannot help.
@@ -429,6 +445,26 @@ def check_args(args: argparse.Namespace, need_command: bool = True,
     _check_nics(args)
     if need_command and not args.command:
         raise UsageError(f"no command given: {PROG} -np N [options] command [args ...]")
+
+
+# Set by Kubeflow's MPI runtime (MPIJob) in the launcher pod: the workers, `host slots=N`.
+MPI_HOSTFILE_ENV = "OMPI_MCA_orte_default_hostfile"
+
+
+def _hosts_from_environment(args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    """Hosts where neither -H nor --hostfile says: a SLURM allocation's nodes (fixed jobs,
+    not --mpi: mpirun reads the allocation itself), else the MPI runtime's hostfile."""
+    from hvdlite.runner.slurm import allocation
+
+    if not args.elastic and not args.use_mpi and not args.check_build:
+        args.slurm = allocation(environ)
+        if args.slurm is not None:
+            args.host_source = args.slurm.describe()
+            return
+    mpi_hostfile = environ.get(MPI_HOSTFILE_ENV)
+    if mpi_hostfile:
+        args.hostfile = mpi_hostfile
+        args.host_source = f"hostfile {mpi_hostfile} ({MPI_HOSTFILE_ENV})"
 
 
 _UNSET = object()
@@ -507,12 +543,19 @@ def launch(args: argparse.Namespace) -> int:
     from hvdlite.runner.elastic_driver import run_elastic
     from hvdlite.runner.local import LaunchError, SSHSettings
 
+    if getattr(args, "dry_run", False):
+        from hvdlite.runner.plan import plan_text
+
+        print(plan_text(args), end="", flush=True)
+        return 0
     if args.use_mpi:
         return _launch_mpi(args)
     if args.use_jsrun:
         return _fail("--jsrun is not available yet; use --gloo (the default)", 2)
     env = dict(os.environ)
     env.update(tuning_env(args))
+    if getattr(args, "slurm", None) is not None:
+        return _launch_srun(args, env)
     if args.elastic:
         if args.host_list is not None:
             failed = _check_command(args.command[0], [h.name for h in args.host_list])
@@ -542,6 +585,20 @@ def launch(args: argparse.Namespace) -> int:
         return run_job(spec, rendezvous).exit_code
     except LaunchError as e:
         return _fail(str(e), 2)
+
+
+def _launch_srun(args: argparse.Namespace, env: dict) -> int:
+    """Inside a SLURM allocation: the ranks start as the tasks of one srun step."""
+    from hvdlite.runner.slurm import run_srun, srun_command, srun_env
+
+    unused = [flag for flag, value in (
+        ("-p/--ssh-port", args.ssh_port), ("-i/--ssh-identity-file", args.ssh_identity_file),
+        ("--output-filename", args.output_filename)) if value]
+    if unused:
+        return _fail(f"{', '.join(unused)} cannot be used inside a SLURM allocation: srun starts "
+                     f"the ranks (give -H to start them over ssh instead)", 2)
+    return run_srun(srun_command(args.slurm, args.num_proc, list(args.command)),
+                    srun_env(args.slurm, env, args.start_timeout), verbose=bool(args.verbose))
 
 
 def _launch_mpi(args: argparse.Namespace) -> int:
