@@ -33,7 +33,7 @@ def require_jax() -> None:
 
 CHECKS = [f"{c}_{m}" for m in ("eager", "jit") for c in ("allreduce", "grouped", "move",
                                                          "errors")] + [
-    "gradient", "objects_and_control", "zero_copy", "loop_plain"] + \
+    "gradient", "objects_and_control", "zero_copy", "elastic_state", "loop_plain"] + \
     (["loop_optax"] if HAVE_OPTAX else [])
 
 _runs: dict = {}

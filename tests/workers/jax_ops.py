@@ -151,6 +151,21 @@ def check_objects_and_control():
           "broadcast_parameters under jit")
 
 
+def check_elastic_state():
+    """A pytree of parameters in an ObjectState: restored to the last save, and synced from
+    sync_root (the rank the reset agreement chose) with the other attributes."""
+    tree = {"w": jnp.full((2,), float(RANK)), "b": [jnp.ones(1) * RANK]}
+    state = hvd.elastic.ObjectState(params=tree, epoch=RANK)
+    state.params = jax.tree.map(lambda a: a + 100.0, state.params)
+    state.restore()
+    close(state.params["w"], np.full(2, float(RANK)), "restored to the last save")
+    state._sync_root = SIZE - 1           # what the reset agreement sets (common/elastic.py)
+    state.sync()
+    close(state.params["b"][0], np.ones(1) * (SIZE - 1), "params synced from sync_root")
+    if state.epoch != SIZE - 1:
+        fail(f"epoch {state.epoch} not synced from sync_root")
+
+
 def check_zero_copy():
     x = jnp.arange(16, dtype=jnp.float32)
     buf = bridge.to_buffer(x)
@@ -280,6 +295,7 @@ def main():
     check("gradient", check_gradient)
     check("objects_and_control", check_objects_and_control)
     check("zero_copy", check_zero_copy)
+    check("elastic_state", check_elastic_state)
     check("loop_plain", check_training_loop, "plain")
     try:
         import optax  # noqa: F401
