@@ -14,7 +14,6 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
 
 from ..common import basics as _basics
 from ..common import ops as _cops
@@ -66,7 +65,7 @@ def _allreduce_fn(names: list, op: int, pre: float, post: float, sid: int, cache
         if len(bufs) == 1 and group is None and cacheable:
             # One named array: the op layer's blocking call (ops.allreduce_now), which runs the
             # whole collective on this thread when the steady state allows.
-            out = torch.empty_like(bufs[0], memory_format=torch.contiguous_format)
+            out = _cops.output_like(bufs[0])
             return [_cops.allreduce_now(bufs[0], out, name=names[0], op=op, prescale=pre,
                                         postscale=post, process_set=sid)]
         return _cops.allreduce(list(bufs), names=names, op=op, prescale=pre, postscale=post,
@@ -276,7 +275,7 @@ def alltoall(tensor, splits=None, name: Optional[str] = None, process_set=global
     with wire_name("alltoall", name, sid, tracing) as (wire, _):
         def run(buf):
             out, recv = _cops.alltoall(buf, split_list, names=[wire], process_set=sid).wait()
-            return [out, recv.to(torch.int32)]
+            return [out, recv]
 
         results = [shape_dtype(tensor), jax.ShapeDtypeStruct((n,), jnp.int32)]
         out, recv = host_call(run, [tensor], results,

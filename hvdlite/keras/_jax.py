@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
-import torch
 
 from .. import jax as _hvd
 from ..common import ops as _cops
@@ -281,7 +280,7 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set):
 def _average_numbers(values: list, name: str) -> list:
     """The ranks' average of a list of numbers, in float64 (a jax.Array would be float32
     unless JAX runs with x64)."""
-    (out,) = _cops.allreduce([torch.tensor(values, dtype=torch.float64)], names=[name],
+    (out,) = _cops.allreduce([_bridge.to_buffer(np.array(values, np.float64))], names=[name],
                              op=Average).wait()
     return out.tolist()
 
