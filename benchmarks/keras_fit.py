@@ -24,6 +24,10 @@ Configurations (every rank, and the plain process unless it says otherwise, use 
   compute_np2 2 ranks of keras_np2 with a plain optimizer: no gradient exchange, the ranks only
               start and stop together. Both cores compute, so this is the most any 2-rank
               job reaches on this machine: the physical limit for keras_np2
+  jax_keras_np1, jax_keras_np2, jax_plain_1t, jax_compute_np2
+              the same four on Keras 3's JAX backend (KERAS_BACKEND=jax, hvdlite.keras, the
+              step compiled by jax.jit, its gradients reduced by a host callback inside it),
+              in the same alternation as the TensorFlow backend's, so the two compare
 """
 from __future__ import annotations
 
@@ -51,7 +55,13 @@ CONFIGS = {
     "plain_1t": ("plain", 0, 1),
     "plain_2t": ("plain", 0, 2),
     "compute_np2": ("compute", 2, 1),
+    "jax_keras_np1": ("jax_keras", 1, 1),
+    "jax_keras_np2": ("jax_keras", 2, 1),
+    "jax_plain_1t": ("jax_plain", 0, 1),
+    "jax_compute_np2": ("jax_compute", 2, 1),
 }
+# One thread for XLA's CPU client too (its Eigen pool and its intra-op threads).
+JAX_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
 # ---------------------------------------------------------------------- workers
@@ -116,36 +126,42 @@ def _step_marks(keras):
     return StepMarks()
 
 
-def worker_keras(args, distributed: bool, reduce: bool = True) -> dict:
-    tf = _tf_setup(args.threads)
+def worker_keras(args, distributed: bool, reduce: bool = True, backend: str = "tensorflow"
+                 ) -> dict:
+    import numpy as np
+    tf = _tf_setup(args.threads) if backend == "tensorflow" else None
     import keras
     rank, size, callbacks = 0, 1, []
     opt = keras.optimizers.SGD(0.01)
     if distributed:
-        import hvdlite.tensorflow.keras as hvd
+        if backend == "tensorflow":
+            import hvdlite.tensorflow.keras as hvd
+        else:
+            import hvdlite.keras as hvd
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
         if reduce:
             opt = hvd.DistributedOptimizer(opt)
         callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]
     model = _keras_model(tf)
-    model.compile(optimizer=opt, jit_compile=False,
+    # (On JAX an uncompiled step runs op by op; compiled is how Keras runs there.)
+    model.compile(optimizer=opt, jit_compile=backend == "jax",
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = _data(args.steps, rank)
     model.fit(x[:args.warmup * BATCH], y[:args.warmup * BATCH], batch_size=BATCH, epochs=1,
               verbose=0, shuffle=False, callbacks=callbacks)
     _settle()
     if distributed:
-        hvd.allreduce(tf.constant(0.0), name="keras_fit.sync")
+        hvd.allreduce(np.zeros(1, np.float32), name="keras_fit.sync")
     marks = _step_marks(keras)
     t0 = time.perf_counter()
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[marks])
     dt_fit = time.perf_counter() - t0
     dt = marks.last - marks.first
     if distributed:
-        both = hvd.allreduce(tf.constant([dt, dt_fit], tf.float64), op=hvd.Max,
+        both = hvd.allreduce(np.array([dt, dt_fit], np.float32), op=hvd.Max,
                              name="keras_fit.time")
-        dt, dt_fit = (float(v) for v in both.numpy())
+        dt, dt_fit = (float(v) for v in np.asarray(both))
         hvd.shutdown()
     return {"rank": rank, "size": size, "seconds": dt, "fit_seconds": dt_fit,
             "samples_per_s": args.steps * BATCH * size / dt,
@@ -246,6 +262,9 @@ def run_worker(args) -> None:
         res = worker_tape(args)
     elif args.worker == "torch":
         res = worker_torch(args)
+    elif args.worker in ("jax_keras", "jax_compute", "jax_plain"):
+        res = worker_keras(args, distributed=args.worker != "jax_plain",
+                           reduce=args.worker == "jax_keras", backend="jax")
     else:
         raise SystemExit(f"unknown worker {args.worker!r}")
     if res["rank"] == 0:
@@ -267,6 +286,13 @@ def launch(name: str, args) -> dict:
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env["OMP_NUM_THREADS"] = str(threads)
+    if mode.startswith("jax"):
+        env["KERAS_BACKEND"] = "jax"
+        env["JAX_PLATFORMS"] = "cpu"
+        if threads == 1:
+            env["XLA_FLAGS"] = JAX_ONE_THREAD
+    else:
+        env["KERAS_BACKEND"] = "tensorflow"
     if ranks:
         cmd = [sys.executable, "-m", "hvdlite.runner", "-np", str(ranks)] + worker
     else:
@@ -334,7 +360,10 @@ def main() -> None:
                  ("plain_2t", "plain_1t"), ("keras_np2", "compute_np2"),
                  ("tape_np2", "compute_np2"), ("torch_np2", "compute_np2"),
                  ("compute_np2", "plain_1t"), ("keras_np2", "keras_np2@base"),
-                 ("tape_np2", "tape_np2@base")):
+                 ("tape_np2", "tape_np2@base"),
+                 ("jax_keras_np2", "jax_plain_1t"), ("jax_keras_np2", "jax_keras_np1"),
+                 ("jax_keras_np2", "jax_compute_np2"), ("jax_keras_np2", "keras_np2"),
+                 ("jax_plain_1t", "plain_1t"), ("jax_keras_np2", "torch_np2")):
         if a in med and b in med:
             # the ratio of medians, and its range over the rounds (each round's pair)
             per_round = [x / y for x, y in zip(got[a], got[b])]

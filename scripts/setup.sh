@@ -25,6 +25,11 @@ if [ "${HVDLITE_SKIP_TENSORFLOW:-0}" != "1" ] && ! .venv/bin/python -c "import i
   .venv/bin/pip install -q --disable-pip-version-check tensorflow-cpu==2.21.0
   .venv/bin/pip install -q --disable-pip-version-check --no-deps tf_keras==2.21.0
 fi
+# JAX for hvdlite.jax and Keras on JAX (CPU build), and optax for its training-loop tests.
+# HVDLITE_SKIP_JAX=1 leaves them out (tests/test_jax.py then skips, unless HVDLITE_REQUIRE_JAX=1).
+if [ "${HVDLITE_SKIP_JAX:-0}" != "1" ] && ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('jax') and u.find_spec('optax') else 1)" 2>/dev/null; then
+  .venv/bin/pip install -q --disable-pip-version-check "jax[cpu]==0.10.2" optax==0.2.8
+fi
 # Ray for hvdlite.ray (the `ray` extra: Ray 2.60 with Ray Train), checked without importing it.
 # HVDLITE_SKIP_RAY=1 leaves it out (tests/test_ray.py then skips, unless HVDLITE_REQUIRE_RAY=1).
 if [ "${HVDLITE_SKIP_RAY:-0}" != "1" ] && ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('ray') and u.find_spec('pyarrow') and u.find_spec('tensorboardX') else 1)" 2>/dev/null; then

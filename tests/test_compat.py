@@ -2,7 +2,7 @@
 exception classes on every rank (eager PyTorch; TensorFlow eagerly and in tf.function, where
 Horovod's kernels raise tf.errors.FailedPreconditionError / InvalidArgumentError), accepted
 argument types, result dtypes, process-set arguments, and hvdlite.keras (horovod.keras's API)
-training on Keras 3's TensorFlow and PyTorch backends to the single-process result.
+training on Keras 3's TensorFlow, PyTorch and JAX backends to the single-process result.
 
 One launch per worker and rank count (TensorFlow imports slowly); each test judges one check.
 """
@@ -57,13 +57,21 @@ def test_tf_compat(np_, name):
 
 
 @pytest.mark.skipif(not HAVE_KERAS, reason="Keras 3 is not installed")
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", ["tensorflow", "torch"])
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("backend", ["tensorflow", "torch", "jax"])
 @pytest.mark.parametrize("name", KERAS_CHECKS)
 def test_keras_compat(backend, name):
     if backend == "tensorflow" and importlib.util.find_spec("tensorflow") is None:
         pytest.skip("TensorFlow is not installed")
-    run = _run("compat_keras.py", 2, env={"KERAS_BACKEND": backend}, timeout=240)
+    env = {"KERAS_BACKEND": backend}
+    if backend == "jax":
+        # On JAX the compiled step is the path that matters (gradients reduced by host
+        # callbacks inside jax.jit); compat_keras.py calls the optimizer eagerly too.
+        from test_jax import JAX_ENV, require_jax
+        require_jax()
+        env.update(JAX_ENV, KERAS_JIT_COMPILE="1")
+    # (On JAX every fit compiles its step: 75 s for the fit check alone on 2 busy cores.)
+    run = _run("compat_keras.py", 2, env=env, timeout=420 if backend == "jax" else 240)
     run.finished()
     run.check(name)
 

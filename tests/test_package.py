@@ -10,7 +10,7 @@ import pytest
 from util import ROOT, clean_env
 
 # Modules that need an optional part may fail to import only for want of that part.
-OPTIONAL = ("tensorflow", "keras", "tf_keras", "ray", "mpi4py")
+OPTIONAL = ("tensorflow", "keras", "tf_keras", "ray", "mpi4py", "jax", "optax")
 
 _PROBE = f"""
 import importlib, pkgutil, hvdlite
@@ -36,7 +36,7 @@ print("DONE")
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("backend", ["tensorflow", "torch"])
+@pytest.mark.parametrize("backend", ["tensorflow", "torch", "jax"])
 def test_every_module_imports_and_exports_what_its_all_lists(backend):
     """Under each Keras backend (hvdlite.keras picks its implementation from it)."""
     out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,

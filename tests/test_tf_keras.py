@@ -95,11 +95,16 @@ def _progress(marks: Path, worker: str) -> int:
 
 
 @pytest.mark.timeout(300)
-def test_elastic_keras_state_survives_killed_worker(tmp_path):
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_elastic_keras_state_survives_killed_worker(tmp_path, backend):
     """Rank 1 is SIGKILLed in the middle of an epoch of model.fit: rank 0's allreduce (inside
     the compiled train step) fails, KerasState rolls back to the last commit, the job re-forms
     with rank 0 alone and finishes; the weights equal a single-process run exactly and every
-    epoch was committed once."""
+    epoch was committed once. `jax`: hvdlite.keras on Keras 3's JAX backend (the allreduce is a
+    host callback inside the jitted step)."""
+    if backend == "jax":
+        from test_jax import JAX_ENV, require_jax
+        require_jax()
     marks = tmp_path / "marks"
     marks.mkdir()
     hosts = tmp_path / "hosts"
@@ -112,6 +117,9 @@ def test_elastic_keras_state_survives_killed_worker(tmp_path):
     env.update({"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                 "ELASTIC_MARK_DIR": str(marks), "TF_ELASTIC_STALL_AT": "6",
                 "TF_ELASTIC_EPOCHS": "5"})
+    if backend == "jax":
+        env.update(JAX_ENV)
+        env["KERAS_BACKEND"] = "jax"
     cmd = [HVDLITE_RUN, "--host-discovery-script", str(script), "-np", "2", "--min-np", "1",
            "--max-np", "2", sys.executable, worker_path("tf_keras_elastic.py")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -5,7 +5,9 @@ there is one Keras, with several backends. The backend Keras runs on picks the i
 
 - `tensorflow`: everything is `hvdlite.tensorflow.keras` (same objects);
 - `torch` (`KERAS_BACKEND=torch`): the same names, with the collectives going through
-  `hvdlite.torch` (see `_torch.py`).
+  `hvdlite.torch` (see `_torch.py`);
+- `jax` (`KERAS_BACKEND=jax`): the same names, with the collectives going through `hvdlite.jax`,
+  inside the compiled train step as host callbacks (see `_jax.py`).
 """
 from __future__ import annotations
 
@@ -25,9 +27,15 @@ elif BACKEND == "torch":
     from ._torch import __all__ as _names
     from ._torch import Average, Compression, global_process_set
     from ._torch import DistributedOptimizer as _backend_optimizer
+elif BACKEND == "jax":
+    from ._jax import *  # noqa: F401,F403
+    from ._jax import __all__ as _names
+    from ._jax import Average, Compression, global_process_set
+    from ._jax import DistributedOptimizer as _backend_optimizer
 else:
-    raise ImportError(f"hvdlite.keras supports Keras 3 on the 'tensorflow' and 'torch' backends; "
-                      f"this Keras runs on {BACKEND!r}. Set KERAS_BACKEND=tensorflow or torch.")
+    raise ImportError(f"hvdlite.keras supports Keras 3 on the 'tensorflow', 'torch' and 'jax' "
+                      f"backends; this Keras runs on {BACKEND!r}. Set KERAS_BACKEND=tensorflow, "
+                      f"torch or jax.")
 
 from . import callbacks  # noqa: E402,F401
 

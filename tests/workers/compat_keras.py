@@ -19,6 +19,9 @@ from harness import check, finish, log  # noqa: E402
 
 hvd.init()
 RANK, SIZE = hvd.rank(), hvd.size()
+# KERAS_JIT_COMPILE=1: model.fit compiles its step (on JAX, jax.jit: the gradients are reduced
+# by host callbacks inside the compiled step).
+JIT = os.environ.get("KERAS_JIT_COMPILE") == "1"
 
 
 def close(a, b, what, tol=1e-5):
@@ -43,7 +46,7 @@ def model(seed):
 
 
 def fit(m, opt, x, y, callbacks, batch):
-    m.compile(optimizer=opt, loss="mse", jit_compile=False)
+    m.compile(optimizer=opt, loss="mse", jit_compile=JIT)
     return m.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0,
                  callbacks=callbacks)
 
@@ -199,7 +202,7 @@ def check_elastic_state():
     m = model(seed=700 + RANK)
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.1),
                                    backward_passes_per_step=2)
-    m.compile(optimizer=opt, loss="mse", jit_compile=False)
+    m.compile(optimizer=opt, loss="mse", jit_compile=JIT)
     opt.build(m.trainable_variables)
     state = hvd.elastic.KerasState(m, batch=RANK + 3, epoch=0)
     state._sync_root = SIZE - 1           # what the reset agreement sets (common/elastic.py)
@@ -211,10 +214,10 @@ def check_elastic_state():
 
     v = m.trainable_variables
     before = [np.asarray(keras.ops.convert_to_numpy(x)) for x in v]
-    opt.apply([keras.ops.ones_like(x) * 100.0 for x in v], v)    # pass 1 of 2: no update
+    opt.apply([keras.ops.ones_like(x.value) * 100.0 for x in v], v)  # pass 1 of 2: no update
     state.on_reset()                      # what every rank runs after a membership change
     for _ in range(2):
-        opt.apply([keras.ops.ones_like(x) for x in v], v)
+        opt.apply([keras.ops.ones_like(x.value) for x in v], v)
     for x, w in zip(v, before):
         close(x, w - 0.1 * 2.0, "the reset dropped the partial sum (2 passes of ones)")
 
@@ -234,7 +237,7 @@ def check_collectives():
 
 def check_load_model():
     m = model(seed=7)
-    m.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=False)
+    m.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=JIT)
     x, y = data()
     m.fit(x, y, batch_size=8, epochs=1, verbose=0)
     path = os.path.join(tempfile.mkdtemp(), f"m{RANK}.keras")
@@ -260,7 +263,7 @@ def check_partial_optimizer():
         return keras.Sequential([keras.layers.Dense(4, activation="tanh"), head]), head
 
     def one_step(m, opt, r):
-        m.compile(optimizer=opt, loss="mse", jit_compile=False)
+        m.compile(optimizer=opt, loss="mse", jit_compile=JIT)
         rows = slice(r * per_rank, (r + 1) * per_rank)
         m.fit(x[rows], y[rows], batch_size=per_rank, epochs=1, shuffle=False, verbose=0)
 

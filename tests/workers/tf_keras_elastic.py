@@ -18,17 +18,23 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import tf_common  # noqa: E402,F401  (quiet, single-threaded TensorFlow)
-
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+
+# KERAS_BACKEND=jax: the same job with hvdlite.keras on Keras 3's JAX backend, where the
+# allreduce that fails runs as a host callback inside the jitted train step.
+BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
+if BACKEND == "tensorflow":
+    import tf_common  # noqa: E402,F401  (quiet, single-threaded TensorFlow)
+    import tensorflow as tf  # noqa: E402
+    keras = tf.keras
+else:
+    import keras  # noqa: E402
 
 EPOCHS = int(os.environ.get("TF_ELASTIC_EPOCHS", "5"))
 STALL_AT = int(os.environ["TF_ELASTIC_STALL_AT"]) if os.environ.get("TF_ELASTIC_STALL_AT") \
     else None
 MARK_DIR = os.environ.get("ELASTIC_MARK_DIR")
 B, STEPS = 8, 4
-keras = tf.keras
 
 rng = np.random.RandomState(3)
 X = rng.randn(B * STEPS, 5).astype(np.float32)
@@ -58,7 +64,10 @@ def mark(kind: str, text: str) -> None:
 
 
 def main() -> int:
-    import hvdlite.tensorflow.keras as hvd
+    if BACKEND == "tensorflow":
+        import hvdlite.tensorflow.keras as hvd
+    else:
+        import hvdlite.keras as hvd
 
     mark("pid", str(os.getpid()))
     hvd.init()
@@ -99,8 +108,9 @@ def main() -> int:
         print("RESULT " + json.dumps({
             "epoch": state.epoch, "trace": state.trace, "size": hvd.size(),
             "reset_sizes": sizes, "max_diff": diff,
-            "iterations": int(model.optimizer.iterations.numpy()),
-            "ref_iterations": int(ref.optimizer.iterations.numpy())}), flush=True)
+            "iterations": int(keras.ops.convert_to_numpy(model.optimizer.iterations)),
+            "ref_iterations": int(keras.ops.convert_to_numpy(ref.optimizer.iterations))}),
+            flush=True)
     mark("done", "1")
     return 0
 

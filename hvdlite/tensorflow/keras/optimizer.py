@@ -166,6 +166,9 @@ class _HvdConfig:
         # PartialDistributedOptimizer's local layers that were not built yet: their variables
         # are registered as local once they exist (register_pending_layers).
         self.pending_layers: list = []
+        # The gradients the last `_compute_gradients` returned, already reduced (tf_keras):
+        # apply_gradients applies exactly these without reducing them again.
+        self.reduced: list = []
 
 
 def register_pending_layers(optimizer) -> None:
@@ -246,9 +249,62 @@ class _Keras3Distributed:
 
 
 class _TFKerasDistributed:
-    """Methods of the Keras 2 (tf_keras) wrapper."""
+    """Methods of the Keras 2 (tf_keras) wrapper.
+
+    Besides `apply_gradients` (which reduces the gradients it is given), the methods Horovod's
+    Keras optimizer has on tf_keras, which Horovod's scripts and tests call: `_compute_gradients`
+    / `compute_gradients` (the gradients of a loss, reduced), `get_gradients` (the same on
+    OptimizerV2), `_aggregate_gradients` (tf_keras' hook, left to the base class: the reduction
+    happens in the other two, as in Horovod) and `_agg_helper` (the backward-passes helper, None
+    without one). Gradients that `_compute_gradients` reduced and that reach `apply_gradients`
+    unchanged (the same tensor objects) are applied without a second reduction. With
+    `backward_passes_per_step > 1` they come back local: `apply_gradients` adds them up and
+    reduces every N-th pass."""
 
     _hvd_distributed = True
+
+    @property
+    def _agg_helper(self):
+        return self._hvd.agg
+
+    def compute_gradients(self, loss, var_list, tape=None):
+        return self._compute_gradients(loss, var_list, None, tape)
+
+    def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+        base = super()
+        tape = tf.GradientTape() if tape is None else tape
+        if hasattr(base, "_compute_gradients"):
+            pairs = base._compute_gradients(loss, var_list, grad_loss, tape=tape)
+        else:
+            pairs = base.compute_gradients(loss, var_list, tape=tape)
+        grads, variables = (list(x) for x in zip(*pairs)) if pairs else ([], [])
+        return list(zip(self._allreduce(grads, variables), variables))
+
+    def get_gradients(self, loss, params):
+        return self._allreduce(super().get_gradients(loss, params), list(params))
+
+    def _aggregate_gradients(self, grads_and_vars):
+        base = super()
+        if hasattr(base, "_aggregate_gradients"):
+            return base._aggregate_gradients(grads_and_vars)
+        return base.aggregate_gradients(grads_and_vars)
+
+    def _allreduce(self, grads, variables) -> list:
+        """`grads` reduced over the set (local variables' kept), or as they are where
+        `apply_gradients` accumulates them first (backward_passes_per_step > 1)."""
+        hvd = self._hvd
+        register_pending_layers(self)
+        if hvd.agg is not None:
+            return list(grads)
+        reduced = hvd.reducer.reduce(list(grads), list(variables))
+        hvd.reduced = [g for g in reduced if g is not None]
+        return reduced
+
+    def _hvd_already_reduced(self, grads: list) -> bool:
+        kept, self._hvd.reduced = self._hvd.reduced, []
+        present = [g for g in grads if g is not None]
+        return bool(present) and len(present) == len(kept) and \
+            all(g is k for g, k in zip(present, kept))
 
     def register_local_var(self, var):
         self._hvd.reducer.register_local(var)
@@ -279,7 +335,8 @@ class _TFKerasDistributed:
         if hvd.source is not None or hvd.agg is not None:
             self._hvd_ensure_built(variables)
         if hvd.agg is None:
-            reduced = hvd.reducer.reduce(grads, variables)
+            reduced = grads if self._hvd_already_reduced(grads) else \
+                hvd.reducer.reduce(grads, variables)
             return super().apply_gradients(list(zip(reduced, variables)), *args, **kwargs)
 
         def apply_fn(reduced, variables_):
