@@ -17,7 +17,8 @@ What is written:
   ranks by DCP's de-duplication (each rank writes about 1/N of them);
 - sharded values as their shards: a ZeRO 1/2 optimizer's state by the rank that owns each
   parameter, and `hvdlite.torch.shard.LocalShard` values (a `fully_shard` state dict) as
-  chunks of their global tensor. Loading on another number of ranks reshards both.
+  chunks of their global tensor; a `fully_shard` model and its optimizer, passed as themselves,
+  the same way. Loading on another number of ranks reshards them all.
 
 A save is atomic: rank 0 writes the manifest, DCP's `.metadata` (then hvdlite's `hvdlite.json`
 with the save's time and extras), only after every rank has written its part. A directory
