@@ -4,14 +4,16 @@ Worker: fsdp_checks.py (float64; Adam, each policy, no_sync, clip_grad_norm_, a 
 torch.compile on the blocks, DistributedOptimizer's refusal and every bad input on 2 and 4 ranks;
 hybrid sharding over parallel.mesh(dp_shard=2, dp_replicate=2) and tp=2 inside the mesh; a sharded
 checkpoint saved on 2 ranks, continued on 4, saved, continued on 2, each time equal to one
-process's weights), and elastic_train.py with ELASTIC_FSDP=1 (an elastic job shrunk from 3 ranks
-to 2 re-shards and loses no committed step).
+process's weights; the same with Adam's state through hvdlite.torch.checkpoint, 2 -> 4 -> 3
+ranks, read back by torch.distributed.checkpoint in one process), and elastic_train.py with
+ELASTIC_FSDP=1 (an elastic job shrunk from 3 ranks to 2 re-shards and loses no committed step).
 """
 from __future__ import annotations
 
 import os
 import signal
 import socket
+import sys
 
 import pytest
 import test_elastic as te  # the elastic job harness and its exact reference
@@ -52,6 +54,59 @@ def test_sharded_checkpoint_resharded_2_to_4_to_2(tmp_path):
         out = hvdlite_run("fsdp_checks.py", np=np, args=args, timeout=90).stdout
         _all_ranks_finished(out, np, 1)
         assert len(list((tmp_path / save).glob("rank*.pt"))) == np
+
+
+@pytest.mark.timeout(240)
+def test_fully_shard_through_hvdlite_checkpoint_2_to_4_to_3_read_by_dcp(tmp_path):
+    """A fully sharded model and its Adam state saved with hvdlite.torch.checkpoint on 2 ranks,
+    loaded on 4 (each rank reads only its rows), trained, saved, loaded on 3, trained, saved;
+    torch.distributed.checkpoint in this one process (no process group) then reads the whole
+    tensors, equal to one process trained for every step."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    rounds = [(2, None, "a"), (4, "a", "b"), (3, "b", "c")]
+    for np, load, save in rounds:
+        args = ["--dcp", "--save", str(tmp_path / save), "--steps", "2"]
+        if load:
+            args += ["--load", str(tmp_path / load)]
+        out = hvdlite_run("fsdp_checks.py", np=np, args=args, timeout=90).stdout
+        _all_ranks_finished(out, np, 1)
+    dtype = torch.get_default_dtype()
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+    try:
+        import fsdp_checks as fc  # the worker's model, data and reference, no hvdlite started
+        fc.GLOBAL = fc.DCP_GLOBAL
+        ref, ref_opt = fc.reference(steps=6)
+    finally:
+        sys.path.pop(0)
+        torch.set_default_dtype(dtype)
+    names = [n for n, _ in ref.named_parameters()]
+    ref_state = ref_opt.state_dict()["state"]
+    want = {"model": ref.state_dict(),
+            "optimizer": {"state": {names[i]: st for i, st in ref_state.items()}}}
+    got = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()},
+           "optimizer": {"state": {n: {k: torch.zeros_like(v) for k, v in st.items()}
+                                   for n, st in want["optimizer"]["state"].items()}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # "torch.distributed is disabled ... single process"
+        dcp.load(got, checkpoint_id=str(tmp_path / "c" / "commit-0006"), no_dist=True)
+    for part in ("model", "optimizer"):
+        flat_want, flat_got = _flat(want[part]), _flat(got[part])
+        assert flat_want.keys() == flat_got.keys()
+        for k, v in flat_want.items():
+            assert flat_got[k].shape == v.shape, k
+            assert torch.allclose(flat_got[k], v, rtol=fc.TOL, atol=fc.TOL), \
+                (k, (flat_got[k] - v).abs().max())
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 @pytest.mark.timeout(180)

@@ -17,7 +17,8 @@ What is written:
   ranks by DCP's de-duplication (each rank writes about 1/N of them);
 - sharded values as their shards: a ZeRO 1/2 optimizer's state by the rank that owns each
   parameter, and `hvdlite.torch.shard.LocalShard` values (a `fully_shard` state dict) as
-  chunks of their global tensor. Loading on another number of ranks reshards both.
+  chunks of their global tensor; a `fully_shard` model and its optimizer, passed as themselves,
+  the same way. Loading on another number of ranks reshards them all.
 
 A save is atomic: rank 0 writes the manifest, DCP's `.metadata` (then hvdlite's `hvdlite.json`
 with the save's time and extras), only after every rank has written its part. A directory
@@ -154,13 +155,19 @@ def _is_zero(optimizer: Any) -> bool:
 def _optimizer_to_dict(optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module]):
     """torch's optimizer state dict keyed by parameter name (DCP's `get_state_dict` layout);
     a ZeRO optimizer gives only the state of the parameters this rank owns."""
+    from .fsdp.state_dict import optimizer_state_shard
+
     names = _param_names(optimizer, model)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
     sd = optimizer.local_state_dict() if _is_zero(optimizer) else optimizer.state_dict()
     groups = []
     for g in sd["param_groups"]:
         groups.append({**{k: v for k, v in g.items() if k != "params"},
                        "params": [names[i] for i in g["params"]]})
-    return {"state": {names[i]: dict(s) for i, s in sd["state"].items()},
+    # Over fully_shard's shards, state cut like a shard is written as its chunk of the whole.
+    return {"state": {names[i]: {k: _to_saveable(optimizer_state_shard(params[i], v), model)
+                                 for k, v in s.items()}
+                      for i, s in sd["state"].items()},
             "param_groups": groups}
 
 
@@ -183,6 +190,10 @@ def _parts(state: Any) -> tuple[dict, Optional[torch.nn.Module]]:
 
 def _to_saveable(value: Any, model: Optional[torch.nn.Module]) -> Any:
     if isinstance(value, torch.nn.Module):
+        from .fsdp.state_dict import is_fully_sharded, sharded_state_dict
+
+        if is_fully_sharded(value):  # its shards, as chunks of the whole parameters
+            return _to_saveable(sharded_state_dict(value)["model"], model)
         return value.state_dict()
     if isinstance(value, torch.optim.Optimizer):
         return _optimizer_to_dict(value, model)
@@ -521,14 +532,17 @@ def _template(values: dict, model: Optional[torch.nn.Module], metadata: Any,
     state the checkpoint holds for the parameters this rank keeps."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from .fsdp.state_dict import optimizer_state_box
+
     paths = getattr(metadata, "planner_data", None) or {}
     out: dict = {}
     for name, value in values.items():
         if isinstance(value, torch.optim.Optimizer):
             names = _param_names(value, model)
+            params = [p for g in value.param_groups for p in g["params"]]
+            param_of = dict(zip(names, params))
             wanted = set(names)
             if _is_zero(value):
-                params = [p for g in value.param_groups for p in g["params"]]
                 owned = set(value.owned_parameters())
                 wanted = {n for n, p in zip(names, params) if p in owned}
             tmpl: dict = {}
@@ -539,7 +553,13 @@ def _template(values: dict, model: Optional[torch.nn.Module], metadata: Any,
                     continue
                 md = metadata.state_dict_metadata.get(key)
                 if isinstance(md, TensorStorageMetadata):
-                    leaf: Any = torch.empty(md.size, dtype=md.properties.dtype)
+                    # A fully sharded parameter's state: only the rows this rank holds.
+                    box = optimizer_state_box(param_of[obj_path[2]], md.size,
+                                              md.properties.dtype) \
+                        if len(obj_path) > 3 and obj_path[1] == "state" \
+                        and obj_path[2] in param_of else None
+                    leaf: Any = _Chunk(box) if box is not None else \
+                        torch.empty(md.size, dtype=md.properties.dtype)
                 else:
                     leaf = None
                 _set(tmpl, obj_path[1:], leaf)
@@ -638,7 +658,8 @@ def _optimizer_from_dict(optimizer: torch.optim.Optimizer, model: Optional[torch
                          loaded: dict) -> None:
     names = _param_names(optimizer, model)
     index = {n: i for i, n in enumerate(names)}
-    state = {index[n]: s for n, s in loaded.get("state", {}).items() if n in index}
+    state = {index[n]: {k: v.shard.local if isinstance(v, _Chunk) else v for k, v in s.items()}
+             for n, s in loaded.get("state", {}).items() if n in index}
     groups = []
     for saved, current in zip(loaded.get("param_groups", []), optimizer.param_groups):
         g = {k: v for k, v in saved.items() if k != "params"} if isinstance(saved, dict) else {}
@@ -661,7 +682,12 @@ def _apply(state: Any, values: dict, model: Optional[torch.nn.Module], loaded: d
     for name, value in values.items():
         got = loaded.get(name)
         if isinstance(value, torch.nn.Module):
-            value.load_state_dict(got)
+            from .fsdp.state_dict import is_fully_sharded, load_sharded_state_dict
+
+            if is_fully_sharded(value):
+                load_sharded_state_dict(value, {"model": _unchunk(got)})
+            else:
+                value.load_state_dict(got)
         elif isinstance(value, torch.optim.Optimizer):
             _optimizer_from_dict(value, model, got)
         elif hasattr(value, "load_state_dict") and not torch.is_tensor(value):

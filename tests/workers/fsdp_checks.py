@@ -1,14 +1,16 @@
 """fully_shard against one process training on the whole global batch, float64.
 
     hvdlite-run -np N python fsdp_checks.py [--compile] [--hybrid]
-    hvdlite-run -np N python fsdp_checks.py --save DIR [--steps K] [--load DIR]
+    hvdlite-run -np N python fsdp_checks.py --save DIR [--steps K] [--load DIR] [--dcp]
     hvdlite-run -np N python fsdp_checks.py --only CHECK_FUNCTION
 
 Every rank trains on its slice of the same global batch of GLOBAL rows, so the result does not
 depend on the number of ranks and a checkpoint saved on 2 ranks continues on 4 to the very
 weights one process reaches. float64, so sharded and single-process training agree to rounding
 (1e-12). --save/--load run only the checkpoint round trip: train K steps (after loading every
-saved rank's sharded state dict from DIR, if --load), then save this rank's to DIR.
+saved rank's sharded state dict from DIR, if --load), then save this rank's to DIR; with --dcp
+through hvdlite.torch.checkpoint (DCP's format) instead. Imported (by the tests, for the model,
+the data and the reference), it starts no hvdlite.
 """
 from __future__ import annotations
 
@@ -26,14 +28,18 @@ torch.set_default_dtype(torch.float64)
 torch.set_num_threads(1)
 GLOBAL, D_IN, D, D_OUT, SEED, STEPS, TOL = 8, 6, 5, 2, 3, 3, 1e-12
 ARGS = sys.argv[1:]
+DCP_GLOBAL = 12     # --dcp runs on 2, 4 and 3 ranks: a batch every one of them divides
+if "--dcp" in ARGS:
+    GLOBAL = DCP_GLOBAL
 
 
 def arg(flag: str):
     return ARGS[ARGS.index(flag) + 1] if flag in ARGS else None
 
 
-hvd.init(process_sets="dynamic")
-N, R = hvd.size(), hvd.rank()
+if __name__ == "__main__":
+    hvd.init(process_sets="dynamic")
+N, R = (hvd.size(), hvd.rank()) if __name__ == "__main__" else (1, 0)
 
 
 class Block(nn.Module):
@@ -426,6 +432,8 @@ def tied_weight_inside_one_block():
 
 
 def checkpoint_round(load_dir, save_dir, steps):
+    if "--dcp" in ARGS:
+        return dcp_checkpoint_round(load_dir, save_dir, steps)
     model = shard(make_model())
     opt = make_opt(model.parameters())
     start = 0
@@ -444,6 +452,29 @@ def checkpoint_round(load_dir, save_dir, steps):
     sd["step"] = start + steps
     os.makedirs(save_dir, exist_ok=True)
     torch.save(sd, os.path.join(save_dir, f"rank{R}.pt"))
+
+
+def dcp_checkpoint_round(load_dir, save_dir, steps):
+    """The model and its Adam state through hvdlite.torch.checkpoint: each rank reads only the
+    rows it holds now, whatever number of ranks saved."""
+    from hvdlite.torch import checkpoint
+
+    model = shard(make_model())
+    opt = make_opt(model.parameters())
+    state = {"model": model, "optimizer": opt, "step": 0}
+    if load_dir:
+        log(f"loaded {checkpoint.load(load_dir, state)} at step {state['step']}")
+    start = state["step"]
+    if start:
+        ref, ref_opt = reference(steps=start)
+        same_model(model, ref, f"loaded from {load_dir}")
+        same_optimizer(model, opt, ref_opt, f"loaded from {load_dir}")
+    train(model, opt, steps=steps, start=start)
+    ref, ref_opt = reference(steps=start + steps)
+    same_model(model, ref, f"after {steps} steps from {start}")
+    same_optimizer(model, opt, ref_opt, f"after {steps} steps from {start}")
+    state["step"] = start + steps
+    checkpoint.save(state, os.path.join(save_dir, f"commit-{start + steps:04d}"), async_=False)
 
 
 if __name__ == "__main__":

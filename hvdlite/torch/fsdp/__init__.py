@@ -14,13 +14,15 @@ from . import elastic as _elastic
 from .api import FSDPModule, fully_shard, sharded_param_of
 from .clip import clip_grad_norm_
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .state_dict import (full_optimizer_state_dict, full_state_dict,
+from .state_dict import (full_optimizer_state_dict, full_state_dict, is_fully_sharded,
                          load_full_optimizer_state_dict, load_full_state_dict,
-                         load_sharded_state_dict, sharded_state_dict)
+                         load_sharded_state_dict, optimizer_state_box, optimizer_state_shard,
+                         sharded_state_dict)
 
 _elastic.register()     # TorchState re-shards a fully sharded model and its optimizer
 
 __all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
            "clip_grad_norm_", "full_optimizer_state_dict", "full_state_dict", "fully_shard",
-           "load_full_optimizer_state_dict", "load_full_state_dict", "load_sharded_state_dict",
+           "is_fully_sharded", "load_full_optimizer_state_dict", "load_full_state_dict",
+           "load_sharded_state_dict", "optimizer_state_box", "optimizer_state_shard",
            "sharded_param_of", "sharded_state_dict"]

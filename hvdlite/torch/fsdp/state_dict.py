@@ -162,6 +162,31 @@ def sharded_state_dict(model: nn.Module,
     return out
 
 
+def is_fully_sharded(model: nn.Module) -> bool:
+    """Whether `model` holds fully_shard's shards (its state dict then is `sharded_state_dict`'s
+    and loads with `load_sharded_state_dict`)."""
+    return bool(_named_sharded(model))
+
+
+def optimizer_state_shard(param: torch.Tensor, value: Any) -> Any:
+    """One optimizer state value of `param` (exp_avg, step) as a checkpoint writes it: a
+    `LocalShard` of the whole parameter's shape where it is cut like the parameter's shard,
+    else `value` itself (a scalar such as Adam's step, or a parameter not fully sharded)."""
+    sp = getattr(param, "_hvd_fsdp", None)
+    return sp.local_shard(value) if _is_sharded_state(sp, value) else value
+
+
+def optimizer_state_box(param: torch.Tensor, global_shape: Sequence[int],
+                        dtype: torch.dtype) -> LocalShard | None:
+    """The empty box of a saved optimizer state tensor of `global_shape` that this rank holds
+    for `param` (its own rows, on any number of ranks): what a checkpoint reads it into. None
+    where `param` is not fully sharded or the tensor is not shaped like the whole parameter."""
+    sp = getattr(param, "_hvd_fsdp", None)
+    if sp is None or len(global_shape) == 0 or tuple(global_shape) != tuple(sp.orig_shape):
+        return None
+    return sp.local_shard(torch.empty(tuple(sp.sharded.shape), dtype=dtype))
+
+
 def _param_names(model: nn.Module) -> dict[int, str]:
     """id(parameter) -> its first name in `model` (tied parameters once)."""
     return {id(p): n for n, p in reversed(list(model.named_parameters()))}
