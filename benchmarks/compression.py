@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hvdlite.torch as hvd  # noqa: E402
-from hvdlite.torch.stateful_compression import ring_allreduce_bytes  # noqa: E402
+from hvdlite.common.stateful_compression import ring_allreduce_bytes  # noqa: E402
 from bench_util import free_port  # noqa: E402
 from models import MODELS  # noqa: E402
 

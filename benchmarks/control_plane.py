@@ -41,7 +41,8 @@ from hvdlite.common.config import Settings  # noqa: E402
 from hvdlite.common.controller import Coordinator, Peer, SetState  # noqa: E402
 from hvdlite.common.messages import ALLREDUCE, SUM, Request  # noqa: E402
 from hvdlite.common.response_cache import CoordinatorCache, RankCache  # noqa: E402
-from hvdlite.common.steady import STEADY_MSG, SteadySet, build_responses  # noqa: E402
+from hvdlite.common.protocol import Msg  # noqa: E402
+from hvdlite.common.steady import SteadySet, build_responses  # noqa: E402
 from hvdlite.common.wire import Channel  # noqa: E402
 
 KEY = hashlib.sha256(b"control-plane-benchmark").digest()
@@ -90,7 +91,7 @@ def loopback_hop_s(samples: int = 400) -> float:
     times = []
     for _ in range(samples):
         t0 = time.perf_counter()
-        a.send((STEADY_MSG, 0, 1, 0, 0, (1 << 20) - 1, False))
+        a.send((Msg.ROUND, 0, 1, 0, 0, (1 << 20) - 1, False))
         a.recv_blocking(10)
         times.append((time.perf_counter() - t0) / 2)
     t.join()
@@ -207,7 +208,7 @@ def steady_cycle(n: int, n_tensors: int, rounds: int, hop: float) -> dict:
 
         def make_send(r):
             def send(idx, k, tag, value):
-                channel(r, idx)[0].send((STEADY_MSG, 0, 1, k, tag, value[0], value[1]))
+                channel(r, idx)[0].send((Msg.ROUND, 0, 1, k, tag, value[0], value[1]))
                 frames[r] += 1
                 seq[0] += 1
                 heapq.heappush(events, (clock[r] + hop, seq[0], idx, r))

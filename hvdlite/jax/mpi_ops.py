@@ -17,11 +17,12 @@ import numpy as np
 
 from ..common import basics as _basics
 from ..common import ops as _cops
-from ..common.basics import (add_process_set, ccl_built, cross_rank, cross_size,  # noqa: F401
-                             cuda_built, ddl_built, gloo_built, gloo_enabled, is_homogeneous,
+from ..common.basics import (ccl_built, cross_rank, cross_size, cuda_built,  # noqa: F401
+                             ddl_built, gloo_built, gloo_enabled, is_homogeneous,
                              is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
-                             mpi_threads_supported, nccl_built, rank, remove_process_set,
-                             rocm_built, size, start_timeline, stop_timeline)
+                             mpi_threads_supported, nccl_built, rank, rocm_built, size,
+                             start_timeline, stop_timeline)
+from ..common.ops import add_process_set, remove_process_set  # noqa: F401
 from ..common.exceptions import HorovodInternalError, HostsUpdatedInterrupt  # noqa: F401
 from ..common.messages import (ADASUM, AVERAGE, MAX, MIN, PRODUCT, SUM,
                                handle_average_backwards_compatibility)
