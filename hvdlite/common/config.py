@@ -172,6 +172,9 @@ VARIABLES: tuple[Var, ...] = (
     _v("ELASTIC", "bool", False, "the job is elastic (set by hvdlite-run)", group="elastic"),
     _v("ELASTIC_TIMEOUT", "int", 600, "seconds an elastic job waits for its `--min-np` slots "
        "(`--elastic-timeout` wins)", group="elastic"),
+    _v("CHECKPOINT_TIMEOUT", "float", 600.0, "seconds rank 0 waits for every rank's part of a "
+       "checkpoint (hvdlite.torch.checkpoint) before it leaves the save incomplete", _L,
+       "elastic"),
     _v("ELASTIC_WORKER", "str", None, "`<host>:<slot>` of an elastic worker (set by "
        "hvdlite-run)", _L, "elastic"),
     _v("ELASTIC_SPAWN", "str", None, "id of this spawn of an elastic slot (set by "

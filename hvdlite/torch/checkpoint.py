@@ -45,6 +45,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..common.config import env_float
 from .shard import LocalShard
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ __all__ = ["save", "load", "latest", "wait", "CheckpointError", "MANIFEST"]
 MANIFEST = "hvdlite.json"          # written last, by rank 0: the checkpoint is complete
 _DCP_METADATA = ".metadata"
 _RESULTS = "__{rank}.hvdlite-results"
-_FINISH_TIMEOUT_ENV = "HVDLITE_CHECKPOINT_TIMEOUT"
+_FINISH_TIMEOUT_ENV = "HVDLITE_CHECKPOINT_TIMEOUT"   # declared in common/config.py
 
 
 class CheckpointError(RuntimeError):
@@ -403,7 +404,7 @@ def save(state_or_dict: Any, path: str, *, async_: bool = True, keep: Optional[i
 def _finish(job: _Save, writer: Any, metadata: Any, manifest: dict,
             keep: Optional[int], on_complete: Optional[Any] = None) -> None:
     """Rank 0: once every rank's part is written, DCP's metadata, then the manifest (last)."""
-    timeout = float(os.environ.get(_FINISH_TIMEOUT_ENV, "600"))
+    timeout = env_float("CHECKPOINT_TIMEOUT", 600.0)
     deadline = time.monotonic() + timeout
     names = [os.path.join(job.path, _RESULTS.format(rank=r)) for r in range(job.size)]
     while not all(os.path.exists(n) for n in names):
