@@ -209,8 +209,10 @@ def test_partition_evicts_the_host_and_takes_it_back(three_hosts, tmp_path, vict
                           rf"reset 1: round 2 with 2 workers)", timeout=60)
         job.wait_progress(survivor, step + 2, size=2, timeout=60)
         recovered = time.monotonic() - cut_at
-        # The stall shutdown time plus a few seconds (loosely: this machine is shared).
-        assert recovered < STALL_S + 15, (recovered, job.err_text()[-3000:])
+        # Bounded, not timed: how fast is a benchmark figure (benchmarks/cluster.py --parts
+        # partition). A cut that no stall report names waits for the coordinator-silence rule
+        # (stall shutdown time + 10 s) and a round, so on 2 shared cores it has taken 16-37 s.
+        assert recovered < STALL_S + 45, (recovered, job.err_text()[-3000:])
         c.heal(victim)
         job.wait_for_line(rf"host {victim} is back after its blacklist cooldown", timeout=60)
         job.wait_progress(survivor, hold_at + 1, size=3, timeout=120)

