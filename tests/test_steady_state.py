@@ -103,10 +103,6 @@ def test_steady_rounds_on_mpi():
                 ROUNDS_CHECKS + ["payload", "grouped_payload"])
 
 
-# Known flaky, still run and reported (XPASS when it passes): failed 1 of 2 fresh-clone CI runs,
-# and under load on the pre-refactor engine too ("express lane stayed shut after the interrupt").
-@pytest.mark.xfail(strict=False, reason="intermittent on 2 loaded cores: the express lane "
-                   "can stay shut after the interrupt (seen before the engine refactor too)")
 @pytest.mark.timeout(180)
 def test_steady_rounds_on_shared_memory():
     """The same checks with rounds through the shared-memory segment (shm.ShmAgreement) and

@@ -95,7 +95,7 @@ def identify(found: Optional[environment.Detected] = None) -> Identity:
     if found.size is None or found.size <= 1 or not found.store_host:
         return Identity(found.rank or 0, found.size or 1, found.store_host, found.store_port,
                         found.store_is_master and bool(found.store_host), found.source,
-                        hostname)
+                        hostname, store_fd=found.store_fd if found.store_host else None)
     host = found.store_host
     if found.source == "SLURM (srun)":
         host = environment.slurm_first_node_address(host)
