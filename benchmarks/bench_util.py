@@ -21,6 +21,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def init_with_torch_gloo(hvd, threads: int) -> tuple[int, int]:
+    """hvd.init(), then torch.distributed's gloo group over the same ranks, for the peer that
+    runs in the same processes (DDP, torch's fully_shard, ZeroRedundancyOptimizer). Returns
+    (rank, size)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    port = hvd.broadcast_object(free_port() if rank == 0 else None, root_rank=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size)
+    return rank, size
+
+
 def sgd_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
              y: torch.Tensor) -> Callable[[], None]:
     """One classification training step, the same work for every contender."""

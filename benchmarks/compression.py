@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hvdlite.torch as hvd  # noqa: E402
 from hvdlite.common.stateful_compression import ring_allreduce_bytes  # noqa: E402
-from bench_util import free_port  # noqa: E402
+from bench_util import init_with_torch_gloo  # noqa: E402
 from models import MODELS  # noqa: E402
 
 
@@ -87,12 +87,7 @@ def final_loss(comp, steps: int, rank: int, size: int) -> float:
 
 def main():
     args = parse_args()
-    torch.set_num_threads(args.threads)
-    hvd.init()
-    rank, size = hvd.rank(), hvd.size()
-    port = hvd.broadcast_object(free_port() if rank == 0 else None, root_rank=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size)
+    rank, size = init_with_torch_gloo(hvd, args.threads)
     torch.manual_seed(0)
     base, x, y = MODELS["mlp"]()
     grad_bytes = sum(p.numel() * 4 for p in base.parameters())

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hvdlite.torch as hvd  # noqa: E402
-from bench_util import free_port, sgd_step  # noqa: E402
+from bench_util import init_with_torch_gloo, sgd_step  # noqa: E402
 from models import MODELS  # noqa: E402
 
 FSDP2 = "torch fully_shard (FSDP2, gloo)"
@@ -89,12 +89,7 @@ def build(base, size):
 
 def main():
     args = parse_args()
-    torch.set_num_threads(args.threads)
-    hvd.init()
-    rank, size = hvd.rank(), hvd.size()
-    port = hvd.broadcast_object(free_port() if rank == 0 else None, root_rank=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size)
+    rank, size = init_with_torch_gloo(hvd, args.threads)
     torch.manual_seed(0)
     base, x, y = MODELS[args.model]()
     contenders = build(base, size)
